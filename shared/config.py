@@ -1,0 +1,301 @@
+"""One schema for a whole run: every field has a default, a doc string and a validated range.
+
+``load_config(path, overrides)`` reads YAML, applies ``--set a.b=c`` overrides (values parsed as
+YAML scalars) and validates; any problem raises ``NlaInputError`` naming the file and the dotted
+field. ``dump_config`` writes the resolved config that each run directory keeps.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from shared.errors import NlaInputError
+
+LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Section):
+    path: str = "tiny/model"
+    """Directory of the subject LLM (HF weights, config, tokenizer with chat template)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Compute dtype everywhere; auto = bfloat16 on GPU, float32 on CPU."""
+    load_in_4bit: bool = False
+    """Learner base in 4-bit NF4 through bitsandbytes (GPU only)."""
+
+
+class DataConfig(_Section):
+    parquet: str = "tiny/rl.parquet"
+    """RL parquet: prompt (chat messages with <INJECT>), activation_vector, doc_id."""
+    sidecar: Optional[str] = None
+    """NLA sidecar YAML; None = <parquet>.nla_meta.yaml."""
+    max_rows: Optional[int] = Field(None, ge=1)
+    """Read at most this many rows (None = all)."""
+    eval_fraction: float = Field(0.1, ge=0.0, le=0.5)
+    """Share of documents (by a hash of doc_id) held out for evaluation."""
+    fve_baseline_rows: int = Field(4000, ge=2)
+    """Training rows used for the predict-the-mean FVE baselines."""
+
+
+class InjectionConfig(_Section):
+    mode: Literal["embed", "karvonen"] = "embed"
+    """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block."""
+    scale: Optional[str] = None
+    """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw'."""
+    karvonen_layer: int = Field(1, ge=0, le=256)
+    """Decoder block after which karvonen mode adds the vector."""
+
+
+class RolloutConfig(_Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    """vllm (fast) or hf (reference-style generate(), baseline and fallback)."""
+    group_size: int = Field(8, ge=2, le=1024)
+    """Samples per prompt (GRPO group)."""
+    max_new_tokens: int = Field(150, ge=1, le=32768)
+    """Token cap per response; a response that hits it is a failed rollout unless cap_is_failure is off."""
+    temperature: float = 1.0
+    """Sampling temperature; must be 1.0 (old logprobs are the raw T=1 sampled-token logprobs)."""
+    prefill: str = ""
+    """Text opening the assistant turn (e.g. '<explanation>'); counted as part of the response text."""
+    extra_stop_tokens: list[str] = Field(default_factory=list)
+    """Extra stop strings, each one token of the tokenizer (e.g. '</explanation>'), besides every EOS id."""
+    cap_is_failure: bool = True
+    """A response cut by max_new_tokens gets the failed reward even if it closed the tag."""
+    num_engines: int = Field(1, ge=1, le=64)
+    """vLLM data-parallel replicas, fed round-robin."""
+    tensor_parallel_size: int = Field(1, ge=1, le=16)
+    """vLLM tensor-parallel size per engine."""
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.98)
+    """Share of each rollout GPU vLLM may take (keep small when colocated)."""
+    max_num_seqs: int = Field(256, ge=1, le=4096)
+    """vLLM scheduler batch limit."""
+    enforce_eager: bool = False
+    """Skip CUDA graphs / compilation (faster start, slower decode)."""
+    kv_cache_mb: int = Field(64, ge=8, le=1 << 20)
+    """KV cache size on CPU engines, MiB."""
+    weight_transport: Literal["memory", "file"] = "memory"
+    """Adapter push route: in-memory tensors through the engine, or safetensors in a node-local temp dir."""
+    max_loras: int = Field(2, ge=1, le=64)
+    """Adapters an engine keeps registered; older versions are retired."""
+    sleep_during_update: bool = False
+    """Colocated only: vLLM sleep level 1 while the learner updates."""
+
+
+class CriticConfig(_Section):
+    checkpoint: Optional[str] = None
+    """AR checkpoint directory (LoRA tensors + value head + meta); None = init from the base model."""
+    num_layers: Optional[int] = Field(None, ge=1, le=1024)
+    """Decoder blocks kept; None = layer_index + 1 from the sidecar."""
+    train: bool = False
+    """Co-train the critic on each step's valid explanations."""
+    lr: float = Field(1e-5, gt=0.0, le=1.0)
+    """Critic learning rate."""
+    lora_r: int = Field(0, ge=0, le=4096)
+    """LoRA rank on the critic backbone; 0 = full fine-tuning when trained."""
+    lora_alpha: int = Field(16, ge=1, le=65536)
+    """Critic LoRA alpha."""
+    micro_batch: int = Field(16, ge=1, le=4096)
+    """Explanations per forward when scoring and training."""
+    max_prompt_tokens: int = Field(1024, ge=8, le=131072)
+    """Critic prompts longer than this score as failed."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip for co-training."""
+
+
+class LearnerConfig(_Section):
+    adapter_init: Optional[str] = None
+    """AV-SFT PEFT adapter directory; None = a fresh LoRA. Also the frozen KL reference."""
+    lora_r: int = Field(128, ge=1, le=4096)
+    """LoRA rank of a fresh adapter."""
+    lora_alpha: int = Field(16, ge=1, le=65536)
+    """LoRA alpha of a fresh adapter."""
+    use_rslora: bool = True
+    """rsLoRA scaling alpha/sqrt(r)."""
+    target_modules: list[str] = Field(default_factory=lambda: list(LINEAR_MODULES))
+    """Linear modules carrying LoRA (never embed_tokens: prompt embeddings + embedding LoRA crash vLLM)."""
+    lr: float = Field(5e-6, gt=0.0, le=1.0)
+    """Policy learning rate."""
+    optimizer: Literal["auto", "adamw", "adamw8bit"] = "auto"
+    """auto = 8-bit AdamW where bitsandbytes imports, torch AdamW otherwise; betas (0.9, 0.95)."""
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip; a non-finite norm skips the step."""
+    micro_batch: int = Field(8, ge=1, le=4096)
+    """Samples per fused forward/backward."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (injection stays set)."""
+    ppo_epochs: int = Field(1, ge=1, le=16)
+    """Optimizer steps per batch; >1 recomputes old logprobs with the learner first."""
+    mismatch_mask_k3: float = Field(0.5, gt=0.0)
+    """Mask a sample whose mean k3(rollout||learner) exceeds this (weight sync or injection failed)."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _no_embeddings(cls, v):
+        if not v:
+            raise ValueError("expected at least one module")
+        if any("embed" in m or "lm_head" in m for m in v):
+            raise ValueError(f"expected linear modules only, found {v}")
+        return v
+
+
+class GrpoConfig(_Section):
+    steps: int = Field(100, ge=1, le=10_000_000)
+    """Total GRPO steps of the run."""
+    prompts_per_step: int = Field(8, ge=1, le=65536)
+    """Prompts per batch; samples per step = prompts_per_step × group_size."""
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
+    """PPO ratio clip."""
+    kl_beta: float = Field(0.04, ge=0.0, le=10.0)
+    """Weight of the k3 KL to the frozen reference adapter."""
+    failed_reward: float = Field(-2.0, ge=-1000.0, le=0.0)
+    """Reward of a failed rollout (no explanation, cap hit, marker echo, critic prompt too long)."""
+    reward_kind: Literal["neg_log_mse", "neg_mse"] = "neg_log_mse"
+    """Reward from the critic's normalised MSE."""
+    adv_eps: float = Field(1e-6, gt=0.0, le=1.0)
+    """Added to the per-prompt std in the advantage."""
+
+
+class PlacementConfig(_Section):
+    mode: Literal["cpu", "colocated", "split"] = "cpu"
+    """cpu: no GPUs; colocated: everything on one GPU; split: rollout engines on their own GPUs."""
+    learner_gpus: int = Field(1, ge=0, le=64)
+    """GPUs for the learner in split mode."""
+    critic_own_gpu: bool = False
+    """Split mode: the critic gets its own GPU instead of sharing the learner's."""
+
+
+class LoggingConfig(_Section):
+    every: int = Field(1, ge=1)
+    """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    eval_every: int = Field(10, ge=0)
+    """Evaluate on held-out documents every N steps (0 = never)."""
+    eval_prompts: int = Field(16, ge=1, le=100000)
+    """Held-out prompts per evaluation."""
+    samples_printed: int = Field(3, ge=0, le=100)
+    """Eval explanations printed per evaluation."""
+    wandb: Literal["disabled", "offline", "online"] = "disabled"
+    """Weights & Biases mode (imported only when not disabled)."""
+    wandb_project: str = "nla-grpo"
+    """W&B project name."""
+
+
+class CheckpointConfig(_Section):
+    every: int = Field(50, ge=0)
+    """Save a full checkpoint every N steps (0 = only at the end)."""
+    keep_last: int = Field(3, ge=1, le=1000)
+    """Checkpoints kept in the run directory."""
+
+
+class RunConfig(_Section):
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Seed of data order, sampling and initialisation."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    injection: InjectionConfig = Field(default_factory=InjectionConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @field_validator("rollout")
+    @classmethod
+    def _temperature_one(cls, v: RolloutConfig):
+        if v.temperature != 1.0:
+            raise ValueError(f"temperature: expected 1.0 (rollout logprobs are raw T=1 logprobs), found {v.temperature}")
+        return v
+
+
+def _describe_error(err: dict) -> str:
+    loc = ".".join(str(p) for p in err["loc"])
+    found = err.get("input")
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if kind == "value_error":
+        msg = err["msg"].removeprefix("Value error, ")
+        return f"{loc}.{msg}" if msg.startswith("temperature") else f"{loc}: {msg}"
+    return f"{loc}: {err['msg'].lower()}, found {type(found).__name__} {found!r}"
+
+
+def parse_override(item: str) -> tuple[list[str], object]:
+    """``a.b=c`` -> (['a', 'b'], yaml-parsed c)."""
+    if "=" not in item:
+        raise NlaInputError("--set", f"expected key=value, found {item!r}")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise NlaInputError("--set", f"expected a dotted key before '=', found {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -> RunConfig:
+    """Validate a raw mapping (plus overrides) into a RunConfig; errors name ``source`` and the field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise NlaInputError(source, f"expected a mapping at the top level, found {type(raw).__name__}")
+    raw = _deep_copy(raw)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise NlaInputError("--set", f"{'.'.join(parts)}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise NlaInputError(source, _describe_error(exc.errors()[0])) from None
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read and validate a YAML run config."""
+    p = Path(path)
+    if not p.is_file():
+        raise NlaInputError(p, "config file not found")
+    try:
+        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        line = getattr(getattr(exc, "problem_mark", None), "line", None)
+        raise NlaInputError(p, f"not valid YAML{'' if line is None else f' (line {line + 1})'}") from None
+    return build_config(raw, str(p), overrides)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    """The resolved config as YAML (loads back to the same RunConfig)."""
+    return yaml.safe_dump(cfg.model_dump(mode="python"), sort_keys=False)
+
+
+def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> dict[str, str]:
+    """Dotted field path -> doc string, for help texts and the docs test."""
+    out: dict[str, str] = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out.update(field_docs(ann, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = info.description or ""
+    return out
+
+
+def _deep_copy(obj):
+    if isinstance(obj, dict):
+        return {k: _deep_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_copy(v) for v in obj]
+    return obj

@@ -1,0 +1,170 @@
+"""The RL parquet: streamed by row group (needed columns only, early stop), validated row by row.
+
+Columns: ``prompt`` (chat messages with one ``<INJECT>``), ``activation_vector`` (fixed- or
+variable-size list of floats, length d), ``doc_id``; others are ignored. Eval rows are the documents
+whose doc_id hash falls under ``eval_fraction`` (document-disjoint from training). ``ShuffledOrder``
+gives a seeded, resumable batch order whose whole state is a small dict.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.errors import NlaInputError
+from shared.prompts import INJECT_PLACEHOLDER
+
+REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
+
+
+@dataclass
+class RlRows:
+    """Rows of the RL parquet held in memory (activations as one float32 matrix)."""
+
+    prompts: list[list[dict]]
+    activations: np.ndarray
+    doc_ids: list[str]
+    row_ids: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def subset(self, idx) -> "RlRows":
+        idx = np.asarray(idx, dtype=np.int64)
+        return RlRows([self.prompts[i] for i in idx], self.activations[idx], [self.doc_ids[i] for i in idx], self.row_ids[idx])
+
+
+def open_parquet(path: str | Path):
+    """A ``pyarrow.parquet.ParquetFile`` with the required columns, or a one-line error."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p = Path(path)
+    if not p.is_file():
+        raise NlaInputError(p, "parquet file not found")
+    try:
+        pf = pq.ParquetFile(p)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise NlaInputError(p, f"not a parquet file ({str(exc).splitlines()[0][:80]})") from None
+    names = pf.schema_arrow.names
+    for col in REQUIRED_COLUMNS:
+        if col not in names:
+            raise NlaInputError(p, f"column {col!r} missing (found {names})")
+    return pf
+
+
+def _activation_matrix(col, d: int, where: Path, first_row: int) -> np.ndarray:
+    import pyarrow as pa
+
+    col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    t = col.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)):
+        raise NlaInputError(where, f"column 'activation_vector': expected a list of floats, found {t}")
+    if not pa.types.is_floating(t.value_type):
+        raise NlaInputError(where, f"column 'activation_vector': expected float values, found {t.value_type}")
+    if col.null_count:
+        bad = first_row + int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise NlaInputError(where, f"row {bad}, column 'activation_vector': null vector")
+    if pa.types.is_fixed_size_list(t):
+        if t.list_size != d:
+            raise NlaInputError(where, f"row {first_row}, column 'activation_vector': expected length {d} (sidecar d_model), found {t.list_size}")
+        flat = col.flatten()
+    else:
+        lengths = np.diff(col.offsets.to_numpy())
+        wrong = np.flatnonzero(lengths != d)
+        if wrong.size:
+            r = int(wrong[0])
+            raise NlaInputError(where, f"row {first_row + r}, column 'activation_vector': expected length {d} (sidecar d_model), found {int(lengths[r])}")
+        flat = col.flatten()
+    mat = flat.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
+    finite = np.isfinite(mat).all(axis=1)
+    if not finite.all():
+        r = int(np.flatnonzero(~finite)[0])
+        raise NlaInputError(where, f"row {first_row + r}, column 'activation_vector': non-finite value (NaN or inf)")
+    return mat
+
+
+def _check_prompt(prompt, where: Path, row: int) -> list[dict]:
+    if not isinstance(prompt, list) or not all(isinstance(m, dict) and "content" in m for m in prompt):
+        raise NlaInputError(where, f"row {row}, column 'prompt': expected a list of chat messages with 'role' and 'content'")
+    n = sum(m["content"].count(INJECT_PLACEHOLDER) for m in prompt if isinstance(m.get("content"), str))
+    if n != 1:
+        raise NlaInputError(where, f"row {row}, column 'prompt': expected exactly one {INJECT_PLACEHOLDER}, found {n}")
+    return [{"role": m.get("role"), "content": m["content"]} for m in prompt]
+
+
+def read_rows(path: str | Path, d_model: int, max_rows: int | None = None, progress=None) -> RlRows:
+    """Stream the parquet row group by row group and stop after ``max_rows``; every row validated."""
+    p = Path(path)
+    pf = open_parquet(p)
+    prompts: list[list[dict]] = []
+    acts: list[np.ndarray] = []
+    docs: list[str] = []
+    seen = 0
+    for rg in range(pf.num_row_groups):
+        if max_rows is not None and seen >= max_rows:
+            break
+        table = pf.read_row_group(rg, columns=list(REQUIRED_COLUMNS))
+        if max_rows is not None:
+            table = table.slice(0, max_rows - seen)
+        acts.append(_activation_matrix(table.column("activation_vector"), d_model, p, seen))
+        for i, pr in enumerate(table.column("prompt").to_pylist()):
+            prompts.append(_check_prompt(pr, p, seen + i))
+        for i, doc in enumerate(table.column("doc_id").to_pylist()):
+            if doc is None:
+                raise NlaInputError(p, f"row {seen + i}, column 'doc_id': null")
+            docs.append(str(doc))
+        seen += table.num_rows
+        if progress is not None:
+            progress(seen, pf.metadata.num_rows if max_rows is None else min(max_rows, pf.metadata.num_rows))
+    if seen == 0:
+        raise NlaInputError(p, "no rows")
+    mat = np.concatenate(acts, axis=0) if acts else np.zeros((0, d_model), np.float32)
+    return RlRows(prompts, mat, docs, np.arange(seen, dtype=np.int64))
+
+
+def is_eval_doc(doc_id: str, fraction: float) -> bool:
+    """Stable document-level split: sha256(doc_id) as a number in [0, 1) below ``fraction``."""
+    h = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def split_eval(rows: RlRows, fraction: float) -> tuple[RlRows, RlRows]:
+    """(train, eval), document-disjoint."""
+    mask = np.array([is_eval_doc(d, fraction) for d in rows.doc_ids], dtype=bool)
+    return rows.subset(np.flatnonzero(~mask)), rows.subset(np.flatnonzero(mask))
+
+
+@dataclass
+class ShuffledOrder:
+    """Seeded epoch permutations of ``n`` rows; ``state()`` / ``from_state`` resume exactly."""
+
+    n: int
+    seed: int
+    epoch: int = 0
+    cursor: int = 0
+    _perm: np.ndarray | None = field(default=None, repr=False)
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm is None:
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+        return self._perm
+
+    def next_batch(self, k: int) -> list[int]:
+        """The next ``k`` row indices; a new epoch (new permutation) when fewer than ``k`` remain."""
+        if k > self.n:
+            raise ValueError(f"batch of {k} prompts from only {self.n} rows")
+        if self.cursor + k > self.n:
+            self.epoch, self.cursor, self._perm = self.epoch + 1, 0, None
+        out = self._permutation()[self.cursor : self.cursor + k].tolist()
+        self.cursor += k
+        return out
+
+    def state(self) -> dict:
+        return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ShuffledOrder":
+        return cls(n=int(state["n"]), seed=int(state["seed"]), epoch=int(state["epoch"]), cursor=int(state["cursor"]))

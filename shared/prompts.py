@@ -1,0 +1,84 @@
+"""AV and critic prompts: render with the marker, tokenize, and find the single injection site.
+
+Rendering is the one place that calls ``apply_chat_template``; every service goes through it so the
+token ids seen by rollout, learner and data check are the same. Qwen3 templates always get
+``enable_thinking=False``.
+"""
+from __future__ import annotations
+
+INJECT_PLACEHOLDER = "<INJECT>"
+
+
+def _as_ids(out) -> list[int]:
+    # transformers 5 may return a BatchEncoding from apply_chat_template(tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):
+        out = out[0]
+    return [int(t) for t in out]
+
+
+def substitute_marker(messages: list[dict], marker: str) -> list[dict]:
+    """Replace ``<INJECT>`` by the marker character in every string message content."""
+    return [
+        {**m, "content": m["content"].replace(INJECT_PLACEHOLDER, marker)} if isinstance(m.get("content"), str) else dict(m)
+        for m in messages
+    ]
+
+
+def count_placeholders(messages: list[dict]) -> int:
+    return sum(m["content"].count(INJECT_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
+
+
+def render_av_text(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> str:
+    """The AV prompt as text: chat template with generation prompt, then the assistant prefill."""
+    text = tokenizer.apply_chat_template(
+        substitute_marker(messages, marker), tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
+    return text + prefill
+
+
+def render_av_ids(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> list[int]:
+    """Token ids of the AV prompt (never re-tokenized elsewhere)."""
+    return _as_ids(tokenizer.encode(render_av_text(tokenizer, messages, marker, prefill), add_special_tokens=False))
+
+
+def marker_sites(ids, marker_id: int, left_id: int, right_id: int) -> list[int]:
+    """Positions holding the marker with both neighbours in place, never at an edge."""
+    ids = list(ids)
+    return [
+        p for p in range(1, len(ids) - 1)
+        if ids[p] == marker_id and ids[p - 1] == left_id and ids[p + 1] == right_id
+    ]
+
+
+def find_marker_site(ids, marker_id: int, left_id: int, right_id: int) -> int:
+    """The single valid marker position; ValueError naming what was found otherwise."""
+    ids = list(ids)
+    sites = marker_sites(ids, marker_id, left_id, right_id)
+    occurrences = sum(1 for t in ids if t == marker_id)
+    if len(sites) != 1 or occurrences != 1:
+        raise ValueError(
+            f"expected exactly one marker id {marker_id} between ids {left_id} and {right_id}, "
+            f"found {occurrences} occurrence(s) and {len(sites)} valid site(s)"
+        )
+    return sites[0]
+
+
+def has_marker_trigram(ids, marker_id: int, left_id: int, right_id: int) -> bool:
+    """True when ``ids`` re-create the left-marker-right trigram (a response that would add a site)."""
+    ids = list(ids)
+    return any(
+        ids[p] == marker_id and ids[p - 1] == left_id and ids[p + 1] == right_id for p in range(1, len(ids) - 1)
+    )
+
+
+def render_critic_text(template: str, explanation: str) -> str:
+    """The critic (AR) prompt for one explanation."""
+    return template.format(explanation=explanation)
+
+
+def render_critic_ids(tokenizer, template: str, explanation: str) -> list[int]:
+    return _as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
