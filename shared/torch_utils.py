@@ -1,0 +1,29 @@
+"""Small torch helpers every service shares (imported only where torch is needed)."""
+from __future__ import annotations
+
+import torch
+
+
+def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
+    """Config dtype name -> torch dtype; 'auto' = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_adamw(params, lr: float, kind: str = "auto"):
+    """8-bit AdamW from bitsandbytes where asked for / available (CUDA), torch AdamW otherwise; betas (0.9, 0.95)."""
+    params = list(params)
+    if kind in ("auto", "adamw8bit") and params and params[0].is_cuda:
+        try:
+            import bitsandbytes as bnb
+
+            return bnb.optim.AdamW8bit(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        except ImportError:
+            if kind == "adamw8bit":
+                raise
+    return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
