@@ -48,16 +48,65 @@ def _data_tiny(args) -> int:
 
 
 def _train(args) -> int:
+    import time
+    from pathlib import Path
+
     from shared.config import load_config
     from shared.errors import NlaInputError
 
-    if args.resume is None and args.config is None:
-        raise NlaInputError("train", "expected CONFIG.yaml or --resume RUN_DIR")
-    if args.config is not None:
+    from learner.job import absolute_paths, prepare_job
+    from learner.run_dir import RunDir
+
+    if (args.resume is None) == (args.config is None):
+        raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
+    if args.resume is not None:
+        if args.set or args.run_dir:
+            raise NlaInputError("train", "--resume continues a run exactly: --set and --run-dir cannot be combined with it")
+        run = RunDir.open(args.resume)
+        cfg = run.config([f"grpo.steps={args.steps}"] if args.steps is not None else [])
+        job = prepare_job(cfg)
+        run.save_config(cfg)
+        resume_from = run.latest_checkpoint()
+    else:
         overrides = list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else [])
-        load_config(args.config, overrides)
-    print("nla-grpo train: the GRPO driver is not built yet; the config is valid.", file=sys.stderr)
-    return 3
+        cfg = absolute_paths(load_config(args.config, overrides), Path.cwd())
+        run_dir = args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        if Path(run_dir).exists() and any(Path(run_dir).iterdir()):
+            raise NlaInputError(run_dir, "run directory exists and is not empty (use --resume to continue it)")
+        job = prepare_job(cfg)
+        run = RunDir.create(run_dir, cfg)
+        resume_from = None
+    print(f"[run] {run.path}")
+    return _run_services(job, run, resume_from)
+
+
+def _run_services(job, run, resume_from) -> int:
+    from learner.driver import train
+    from learner.placement import start_ray, start_services, stop_services
+    from learner.plot import write_plots
+
+    cfg = job.cfg
+    wandb_run = None
+    if cfg.logging.wandb != "disabled":
+        import wandb
+
+        wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb, dir=str(run.path),
+                               config=cfg.model_dump(mode="json"), name=run.path.name)
+    start_ray()
+    print(f"[ray] starting services (placement {cfg.placement.mode}, rollout backend {cfg.rollout.backend})", flush=True)
+    services = None
+    try:
+        services = start_services(cfg, job.spec)
+        last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
+    finally:
+        stop_services(services)
+        if wandb_run is not None:
+            wandb_run.finish()
+        if run.read_metrics():
+            print(f"[plot] {write_plots(run.path)}")
+    print(f"[done] {run.path}: step {last.get('step', '-')}, reward {last.get('reward_mean', float('nan')):+.3f}, "
+          f"fve {last.get('fve', float('nan')):+.3f}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -75,11 +124,20 @@ def main(argv=None) -> int:
         if args.cmd == "train":
             return _train(args)
         if args.cmd == "plot":
-            print("nla-grpo plot: not built yet", file=sys.stderr)
-            return 3
+            from learner.plot import write_plots
+
+            print(write_plots(args.run_dir))
+            return 0
     except NlaInputError as exc:
         print(f"nla-grpo: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        from learner.driver import StepError
+
+        if not isinstance(exc, StepError):
+            raise
+        print(f"nla-grpo: error: {exc}", file=sys.stderr)
+        return 1
     return 1
 
 

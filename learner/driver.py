@@ -1,0 +1,257 @@
+"""The GRPO driver: one controller, the loop read top to bottom.
+
+Per step: batch → rollout → extract → score → reward → advantages → learner update → critic step →
+adapter push → log → eval → checkpoint. Services are Ray actors (``learner.placement``); the loop is
+the same in every placement mode.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+from learner.job import Job
+from learner.reward import explanation_for, rewards_for
+from learner.run_dir import RunDir
+from shared.data import ShuffledOrder
+from shared.types import PromptRequest
+
+TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
+
+
+class StepError(RuntimeError):
+    """A failure inside the loop, reported as one line with the step and phase."""
+
+
+def _requests(job: Job, rows, prompt_index, idx) -> list[PromptRequest]:
+    import torch
+
+    out = []
+    for i in idx:
+        ids, site = job.prompt_ids[int(prompt_index[i])]
+        out.append(PromptRequest(int(rows.row_ids[i]), list(ids), site, torch.from_numpy(rows.activations[i].copy())))
+    return out
+
+
+def _rollout(services, requests, seed: int) -> list:
+    """Round-robin over the engines; samples come back in request order."""
+    import ray
+
+    n = len(services.rollouts)
+    parts = [ray.get(ref) for ref in [eng.generate.remote(requests[k::n], seed) for k, eng in enumerate(services.rollouts)]]
+    g = len(parts[0]) // max(1, len(requests[0::n]))
+    ordered = [None] * len(requests)
+    for k, samples in enumerate(parts):
+        for j in range(len(requests[k::n])):
+            ordered[k + j * n] = samples[j * g : (j + 1) * g]
+    return [s for group in ordered for s in group]
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    return float(np.mean(xs)) if xs else float("nan")
+
+
+def _score(services, job: Job, samples, vectors):
+    """Explanations, critic mses and rewards for a list of samples."""
+    import ray
+
+    cfg = job.cfg
+    expl = [explanation_for(s.text, s.finish_reason, s.marker_echo, cfg.rollout.cap_is_failure) for s in samples]
+    mses = ray.get(services.critic.score.remote(expl, vectors))
+    rewards = rewards_for(mses, cfg.grpo.reward_kind, cfg.grpo.failed_reward)
+    return expl, mses, rewards
+
+
+def _push(services, expected_version: int | None = None) -> int:
+    import ray
+
+    update = ray.get(services.learner.export_adapter.remote())
+    ref = ray.put(update)
+    ray.get([eng.load_adapter.remote(ref) for eng in services.rollouts])
+    return update.version
+
+
+def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
+    import torch
+
+    cfg = job.cfg
+    idx = list(range(min(cfg.logging.eval_prompts, len(job.eval))))
+    requests = _requests(job, job.eval, job.prompt_index_eval, idx)
+    samples = _rollout(services, requests, seed=cfg.seed * 7919 + 1_000_000 + step)
+    g = cfg.rollout.group_size
+    vectors = torch.from_numpy(np.repeat(job.eval.activations[idx], g, axis=0))
+    expl, mses, rewards = _score(services, job, samples, vectors)
+    valid = [m for m in mses if m is not None]
+    out = {
+        "eval/reward_mean": _mean(rewards),
+        "eval/reward_mean_valid": _mean([r for r, m in zip(rewards, mses) if m is not None]),
+        "eval/mse_mean": _mean(valid),
+        "eval/fve": 1.0 - _mean(valid) / job.fve_baseline if valid else float("nan"),
+        "eval/extraction_rate": len(valid) / len(mses),
+    }
+    records = []
+    for j, i in enumerate(idx):
+        s = samples[j * g]
+        records.append({"step": step, "row_id": int(job.eval.row_ids[i]), "doc_id": job.eval.doc_ids[i],
+                        "reward": rewards[j * g], "mse": mses[j * g], "explanation": expl[j * g], "text": s.text})
+    run.append_samples(records)
+    log(f"  [eval@{step}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%}")
+    for r in records[: cfg.logging.samples_printed]:
+        log(f"    row {r['row_id']} r={r['reward']:+.3f}: {str(r['explanation'])[:120]!r}")
+    return out
+
+
+def _checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, version: int, keep_last: int) -> Path:
+    """Critic first, then the policy, then the training state; the directory appears only when complete."""
+    import ray
+
+    tmp = run.checkpoint_tmp(step)
+    ray.get(services.critic.save.remote(str(tmp / "critic")))
+    ray.get(services.learner.save.remote(str(tmp / "policy")))
+    state = {"step": step, "order": order.state(), "adapter_version": version}
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    return run.commit_checkpoint(tmp, step, keep_last)
+
+
+def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=print, wandb_run=None) -> dict:
+    """Run steps until ``cfg.grpo.steps``; returns the last metrics row."""
+    import ray
+    import torch
+
+    from learner.grpo import group_advantages
+
+    cfg = job.cfg
+    P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
+    order = ShuffledOrder(len(job.train), seed=cfg.seed)
+    start = 0
+    if resume_from is not None:
+        state = json.loads((resume_from / "state.json").read_text())
+        ray.get(services.critic.load.remote(str(resume_from / "critic")))
+        ray.get(services.learner.load.remote(str(resume_from / "policy")))
+        order = ShuffledOrder.from_state(state["order"])
+        start = int(state["step"])
+        log(f"[resume] from {resume_from} at step {start}")
+    run.truncate_logs(start)
+    version = _push(services)
+    log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
+    t_run = time.time()
+    last: dict = {}
+    step, phase = start, "start"
+    try:
+        for step in range(start, cfg.grpo.steps):
+            t0 = time.time()
+            # ---- batch ----
+            phase = "batch"
+            idx = order.next_batch(P)
+            requests = _requests(job, job.train, job.prompt_index_train, idx)
+            vectors = torch.from_numpy(np.repeat(job.train.activations[idx], G, axis=0))
+            group_ids = torch.arange(P).repeat_interleave(G)
+
+            # ---- rollout ----
+            phase = "rollout"
+            t = time.time()
+            samples = _rollout(services, requests, seed=cfg.seed * 7919 + step)
+            stale = {s.adapter_version for s in samples} - {version}
+            if stale:
+                raise StepError(f"samples came from adapter version(s) {sorted(stale)}, expected {version}: the weight push did not arrive")
+            t_rollout = time.time() - t
+
+            # ---- extract, score, reward ----
+            phase = "score"
+            t = time.time()
+            expl, mses, rewards = _score(services, job, samples, vectors)
+            t_score = time.time() - t
+
+            # ---- advantages ----
+            adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids, eps=cfg.grpo.adv_eps)
+
+            # ---- update ----
+            phase = "update"
+            t = time.time()
+            upd = ray.get(services.learner.update.remote(samples, adv.tolist(), vectors))
+            t_update = time.time() - t
+            if upd.get("skipped"):
+                log(f"step {step}: non-finite loss or gradient norm, optimiser step skipped")
+
+            # ---- critic co-training (after the rewards it produced were computed) ----
+            phase = "critic"
+            t = time.time()
+            crit = {}
+            if cfg.critic.train and not upd.get("skipped"):
+                keep = [i for i, e in enumerate(expl) if e is not None]
+                if keep:
+                    crit = ray.get(services.critic.train_step.remote([expl[i] for i in keep], vectors[keep]))
+            t_critic = time.time() - t
+
+            # ---- push ----
+            phase = "push"
+            t = time.time()
+            if not upd.get("skipped"):
+                version = _push(services)
+            t_push = time.time() - t
+
+            # ---- log ----
+            valid = [m for m in mses if m is not None]
+            valid_rewards = [r for r, m in zip(rewards, mses) if m is not None]
+            row = {
+                "step": step,
+                "reward_mean": _mean(valid_rewards),
+                "reward_mean_all": _mean(rewards),
+                "reward_std": float(np.std(valid_rewards)) if valid_rewards else float("nan"),
+                "mse_mean": _mean(valid),
+                "fve": 1.0 - _mean(valid) / job.fve_baseline if valid else float("nan"),
+                "fve_meannorm": 1.0 - _mean(valid) / job.fve_baseline_meannorm if valid else float("nan"),
+                "fve_baseline": job.fve_baseline,
+                "extraction_rate": len(valid) / len(mses),
+                "length_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
+                "marker_echo_rate": sum(bool(s.marker_echo) for s in samples) / len(samples),
+                "mean_resp_len": float(np.mean([len(s.response_ids) for s in samples])),
+                "advantage_std": float(adv.std()),
+                "adapter_version": version,
+                "time/rollout": t_rollout, "time/score": t_score, "time/update": t_update,
+                "time/critic": t_critic, "time/push": t_push,
+            }
+            row.update({k: v for k, v in upd.items() if k != "skipped"})
+            row["skipped"] = bool(upd.get("skipped", False))
+            row.update(crit)
+
+            # ---- eval ----
+            phase = "eval"
+            t = time.time()
+            if cfg.logging.eval_every and ((step + 1) % cfg.logging.eval_every == 0 or step + 1 == cfg.grpo.steps):
+                row.update(_evaluate(services, job, step, run, log))
+            row["time/eval"] = time.time() - t
+
+            # ---- checkpoint ----
+            phase = "checkpoint"
+            t = time.time()
+            every = cfg.checkpointing.every
+            if (every and (step + 1) % every == 0) or step + 1 == cfg.grpo.steps:
+                _checkpoint(services, run, order, step + 1, version, cfg.checkpointing.keep_last)
+            row["time/checkpoint"] = time.time() - t
+            row["wall_s"] = time.time() - t0
+            row["elapsed_s"] = time.time() - t_run
+            run.append_metrics(row)
+            if wandb_run is not None:
+                wandb_run.log(row, step=step)
+            if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
+                log(f"step {step:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "
+                    f"ext {row['extraction_rate']:.0%} | kl {row.get('kl_mean', float('nan')):.4f} | "
+                    f"clip {row.get('clip_frac', float('nan')):.1%} | mm {row.get('logprob_mismatch_k3', float('nan')):.1e} | "
+                    f"v{version} | {row['wall_s']:.2f}s (roll {t_rollout:.2f} score {t_score:.2f} upd {t_update:.2f} "
+                    f"crit {t_critic:.2f} push {t_push:.2f})")
+            last = row
+    except StepError as exc:
+        raise StepError(f"step {step} ({phase}): {exc}") from None
+    except Exception as exc:
+        import ray.exceptions
+
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        if isinstance(exc, ray.exceptions.RayActorError):
+            raise StepError(f"step {step} ({phase}): a service actor died: {first}") from None
+        raise StepError(f"step {step} ({phase}): {type(exc).__name__}: {first}") from exc
+    return last

@@ -1,0 +1,97 @@
+"""Everything a run needs that can be checked before any actor starts: config paths, spec, data, prompts.
+
+A bad config or bad data stops here with the foundation's one-line errors.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shared.config import RunConfig
+from shared.errors import NlaInputError
+
+
+def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
+    """Make file paths absolute: actors run in other working directories."""
+    def fix(p):
+        return None if p is None else str((base / p).resolve()) if not Path(p).is_absolute() else p
+
+    return cfg.model_copy(update={
+        "model": cfg.model.model_copy(update={"path": fix(cfg.model.path)}),
+        "data": cfg.data.model_copy(update={"parquet": fix(cfg.data.parquet), "sidecar": fix(cfg.data.sidecar)}),
+        "critic": cfg.critic.model_copy(update={"checkpoint": fix(cfg.critic.checkpoint)}),
+        "learner": cfg.learner.model_copy(update={"adapter_init": fix(cfg.learner.adapter_init)}),
+    })
+
+
+@dataclass
+class Job:
+    cfg: RunConfig
+    spec: object
+    tokenizer: object
+    train: object  # shared.data.RlRows
+    eval: object
+    prompt_ids: list  # per distinct prompt: (ids, site)
+    prompt_index_train: np.ndarray  # row -> index into prompt_ids
+    prompt_index_eval: np.ndarray
+    fve_baseline: float
+    fve_baseline_meannorm: float
+
+
+def prepare_job(cfg: RunConfig, log=print) -> Job:
+    import torch
+
+    from shared.check import load_tokenizer, model_hidden_size
+    from shared.data import read_rows, split_eval
+    from shared.prompts import _as_ids, find_marker_site, render_av_ids
+    from shared.schema import fve_baselines
+    from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
+
+    model_dir = Path(cfg.model.path)
+    if not model_dir.is_dir():
+        raise NlaInputError(model_dir, "model directory not found (config model.path)")
+    spec = load_spec(cfg.data.sidecar or sidecar_path(cfg.data.parquet))
+    hidden = model_hidden_size(model_dir)
+    if hidden is not None and hidden != spec.d_model:
+        raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")
+    tok = load_tokenizer(model_dir)
+    validate_against_tokenizer(spec, tok)
+    for s in cfg.rollout.extra_stop_tokens:
+        ids = _as_ids(tok.encode(s, add_special_tokens=False))
+        if len(ids) != 1:
+            raise NlaInputError("config", f"rollout.extra_stop_tokens: expected {s!r} to be one token, found {len(ids)} ids {ids}")
+    log(f"[data] reading {cfg.data.parquet}")
+    rows = read_rows(cfg.data.parquet, spec.d_model, max_rows=cfg.data.max_rows)
+    train, ev = split_eval(rows, cfg.data.eval_fraction)
+    if len(train) < cfg.grpo.prompts_per_step:
+        raise NlaInputError(cfg.data.parquet, f"{len(train)} training rows, fewer than grpo.prompts_per_step={cfg.grpo.prompts_per_step}")
+    if cfg.logging.eval_every and len(ev) == 0:
+        raise NlaInputError(cfg.data.parquet, "no eval rows (raise data.eval_fraction or set logging.eval_every=0)")
+
+    cache: dict[str, int] = {}
+    prompt_ids: list = []
+
+    def index(rs) -> np.ndarray:
+        out = np.zeros(len(rs), dtype=np.int64)
+        for i, prompt in enumerate(rs.prompts):
+            key = json.dumps(prompt, sort_keys=True)
+            if key not in cache:
+                ids = render_av_ids(tok, prompt, spec.marker, cfg.rollout.prefill)
+                try:
+                    site = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
+                except ValueError as exc:
+                    raise NlaInputError(cfg.data.parquet, f"row {int(rs.row_ids[i])}, column 'prompt': {exc}") from None
+                cache[key] = len(prompt_ids)
+                prompt_ids.append((ids, site))
+            out[i] = cache[key]
+        return out
+
+    pi_train, pi_eval = index(train), index(ev)
+    golds = torch.from_numpy(train.activations[: cfg.data.fve_baseline_rows])
+    meannorm, rawvar = fve_baselines(golds, spec.mse_scale)
+    log(f"[data] {len(train)} training rows, {len(ev)} eval rows (document-disjoint), d={spec.d_model}; "
+        f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
+    return Job(cfg, spec, tok, train, ev, prompt_ids, pi_train, pi_eval, rawvar, meannorm)

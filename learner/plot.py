@@ -1,0 +1,66 @@
+"""``nla-grpo plot RUN_DIR``: PNG curves of a run's metrics.jsonl (also written at the end of each run)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from learner.run_dir import RunDir
+from shared.errors import NlaInputError
+
+PANELS = [
+    ("reward", ["reward_mean", "reward_mean_all", "eval/reward_mean"]),
+    ("FVE", ["fve", "eval/fve"]),
+    ("extraction rate", ["extraction_rate", "eval/extraction_rate"]),
+    ("KL to reference (k3)", ["kl_mean"]),
+    ("clip fraction", ["clip_frac"]),
+    ("rollout/learner mismatch", ["logprob_mismatch_k3", "logprob_mismatch_mean_abs"]),
+    ("critic loss", ["critic_loss"]),
+    ("phase time (s)", ["time/rollout", "time/score", "time/update", "time/critic", "time/push"]),
+]
+
+
+def _smooth(ys, k):
+    out, acc = [], []
+    for y in ys:
+        acc.append(y)
+        acc = acc[-k:]
+        out.append(sum(acc) / len(acc))
+    return out
+
+
+def write_plots(run_dir: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = RunDir.open(run_dir)
+    rows = run.read_metrics()
+    if not rows:
+        raise NlaInputError(run.metrics, "no metrics to plot")
+    run.plots.mkdir(exist_ok=True)
+    fig, axes = plt.subplots(2, 4, figsize=(18, 8))
+    k = max(1, len(rows) // 25)
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            if key.startswith("eval/") or len(pts) < 3 * k:
+                ax.plot(xs, ys, marker="o" if key.startswith("eval/") else None, ms=3, label=key)
+            else:
+                ax.plot(xs, ys, alpha=0.25, lw=0.8)
+                ax.plot(xs, _smooth(list(ys), k), label=f"{key} (mean of {k})")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.suptitle(str(run.path))
+    fig.tight_layout()
+    out = run.plots / "curves.png"
+    tmp = run.plots / ".curves.tmp.png"
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    tmp.replace(out)
+    return out

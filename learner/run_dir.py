@@ -1,0 +1,124 @@
+"""The run directory: resolved config, metrics.jsonl, samples.jsonl, atomic checkpoints, plots.
+
+A checkpoint is built in ``checkpoints/.tmp-step_NNNNNN`` and renamed into place only when complete,
+so a run killed at any moment leaves either the whole checkpoint or none of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from shared.config import RunConfig, dump_config, load_config
+from shared.errors import NlaInputError
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+class RunDir:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.metrics = self.path / "metrics.jsonl"
+        self.samples = self.path / "samples.jsonl"
+        self.checkpoints = self.path / "checkpoints"
+        self.plots = self.path / "plots"
+
+    # ---- creation / resume ----
+    @classmethod
+    def create(cls, path: str | Path, cfg: RunConfig) -> "RunDir":
+        run = cls(path)
+        if run.path.exists() and any(run.path.iterdir()):
+            raise NlaInputError(run.path, "run directory exists and is not empty (use --resume to continue it)")
+        run.checkpoints.mkdir(parents=True, exist_ok=True)
+        tmp = run.path / ".config.yaml.tmp"
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, run.path / "config.yaml")
+        return run
+
+    @classmethod
+    def open(cls, path: str | Path) -> "RunDir":
+        run = cls(path)
+        if not (run.path / "config.yaml").is_file():
+            raise NlaInputError(run.path, "not a run directory (no config.yaml)")
+        return run
+
+    def config(self, overrides: list[str] = ()) -> RunConfig:
+        return load_config(self.path / "config.yaml", overrides)
+
+    def save_config(self, cfg: RunConfig) -> None:
+        tmp = self.path / ".config.yaml.tmp"
+        tmp.write_text(dump_config(cfg))
+        os.replace(tmp, self.path / "config.yaml")
+
+    # ---- logs ----
+    def append_metrics(self, row: dict) -> None:
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(_json_safe(row), sort_keys=True) + "\n")
+
+    def append_samples(self, rows: list[dict]) -> None:
+        with self.samples.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(_json_safe(r), ensure_ascii=False) + "\n")
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics.is_file():
+            return []
+        out = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # a line cut by a kill: everything after it is gone too
+        return out
+
+    def truncate_logs(self, step: int) -> None:
+        """Drop log lines of steps >= ``step`` (they are redone after a resume)."""
+        for path in (self.metrics, self.samples):
+            if not path.is_file():
+                continue
+            keep = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line).get("step", 0) < step:
+                        keep.append(line)
+                except json.JSONDecodeError:
+                    break
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(l + "\n" for l in keep))
+            os.replace(tmp, path)
+
+    # ---- checkpoints ----
+    def checkpoint_tmp(self, step: int) -> Path:
+        tmp = self.checkpoints / f".tmp-step_{step:06d}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def commit_checkpoint(self, tmp: Path, step: int, keep_last: int) -> Path:
+        final = self.checkpoints / f"step_{step:06d}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in self.list_checkpoints()[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def list_checkpoints(self) -> list[Path]:
+        if not self.checkpoints.is_dir():
+            return []
+        done = [p for p in self.checkpoints.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "state.json").is_file()]
+        return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest_checkpoint(self) -> Path | None:
+        ckpts = self.list_checkpoints()
+        return ckpts[-1] if ckpts else None
