@@ -1,0 +1,189 @@
+"""AR checkpoint directories: trainable tensors in safetensors, everything else in JSON.
+
+A directory holds
+- ``critic_meta.json``: architecture (kept blocks, LoRA settings, d_model) and provenance;
+- ``critic_weights.safetensors``: the trainable tensors only (LoRA + value head, or the whole
+  truncated backbone + value head when fully fine-tuned), named as in ``CriticModel``;
+- optionally ``critic_optimizer.safetensors`` + ``critic_optimizer.json``: the optimiser's tensors
+  and its scalars / param groups, for an exact resume.
+
+Nothing is ever unpickled. Loading is strict: every expected tensor must be present with its shape
+and nothing else may be, so a renamed key can never leave a randomly initialised head in place.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.errors import NlaInputError
+
+META_NAME = "critic_meta.json"
+WEIGHTS_NAME = "critic_weights.safetensors"
+OPTIM_TENSORS_NAME = "critic_optimizer.safetensors"
+OPTIM_META_NAME = "critic_optimizer.json"
+FORMAT = "nla-grpo-critic"
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CriticMeta:
+    """What is needed to rebuild the critic's structure before loading its tensors."""
+
+    num_layers: int
+    d_model: int
+    lora_r: int = 0
+    lora_alpha: int = 16
+    use_rslora: bool = True
+    target_modules: list[str] = field(default_factory=list)
+    base_model: str = ""
+    dtype: str = "float32"
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+
+_META_TYPES = {"num_layers": int, "d_model": int, "lora_r": int, "lora_alpha": int, "use_rslora": bool,
+               "target_modules": list, "base_model": str, "dtype": str, "format": str, "version": int}
+
+
+def read_meta(ckpt_dir: str | Path) -> CriticMeta:
+    """The checkpoint's meta file, every field type-checked; errors name the file and the key."""
+    p = Path(ckpt_dir) / META_NAME
+    if not p.is_file():
+        raise NlaInputError(p, "critic checkpoint meta not found")
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NlaInputError(p, "not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise NlaInputError(p, "expected a JSON object")
+    for key in raw:
+        if key not in _META_TYPES:
+            raise NlaInputError(p, f"{key}: unknown key")
+    for key in ("num_layers", "d_model"):
+        if key not in raw:
+            raise NlaInputError(p, f"{key}: missing")
+    for key, kind in _META_TYPES.items():
+        if key in raw and (not isinstance(raw[key], kind) or (kind is int and isinstance(raw[key], bool))):
+            raise NlaInputError(p, f"{key}: expected {kind.__name__}, found {raw[key]!r}")
+    meta = CriticMeta(**raw)
+    if meta.format != FORMAT or meta.version != FORMAT_VERSION:
+        raise NlaInputError(p, f"format: expected {FORMAT} v{FORMAT_VERSION}, found {meta.format} v{meta.version}")
+    if meta.num_layers < 1 or meta.d_model < 1 or meta.lora_r < 0:
+        raise NlaInputError(p, "num_layers, d_model: expected >= 1; lora_r: expected >= 0")
+    if meta.lora_r > 0 and not meta.target_modules:
+        raise NlaInputError(p, "target_modules: expected the LoRA's modules when lora_r > 0")
+    return meta
+
+
+def _write_atomic(path: Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    _write_atomic(path, lambda tmp: save_file(flat, str(tmp), metadata={"format": "pt"}))
+
+
+def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise NlaInputError(path, "file not found")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise NlaInputError(path, f"not a readable safetensors file ({exc})") from None
+
+
+def save_weights(ckpt_dir: str | Path, model, meta: CriticMeta) -> None:
+    """Trainable tensors then the meta file (written last: its presence marks a complete save)."""
+    d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters())
+    _save_tensors({n: params[n] for n in model.trainable_names()}, d / WEIGHTS_NAME)
+    _write_atomic(d / META_NAME, lambda tmp: tmp.write_text(json.dumps(asdict(meta), indent=2) + "\n", encoding="utf-8"))
+
+
+def load_weights(ckpt_dir: str | Path, model) -> None:
+    """Copy the checkpoint's tensors into ``model``; any missing, extra or misshapen key is an error."""
+    path = Path(ckpt_dir) / WEIGHTS_NAME
+    tensors = _load_tensors(path)
+    expected = model.trainable_names()
+    missing = [k for k in expected if k not in tensors]
+    if missing:
+        raise NlaInputError(path, f"missing tensor {missing[0]!r} ({len(missing)} missing of {len(expected)} expected)")
+    known = set(expected)
+    extra = [k for k in tensors if k not in known]
+    if extra:
+        raise NlaInputError(path, f"unexpected tensor {extra[0]!r} ({len(extra)} not in the critic built from the meta)")
+    params = dict(model.named_parameters())
+    for name in expected:
+        if tuple(tensors[name].shape) != tuple(params[name].shape):
+            raise NlaInputError(path, f"tensor {name!r}: expected shape {tuple(params[name].shape)}, found {tuple(tensors[name].shape)}")
+    with torch.no_grad():
+        for name in expected:
+            params[name].copy_(tensors[name].to(params[name].dtype))
+
+
+def has_optimizer_state(ckpt_dir: str | Path) -> bool:
+    d = Path(ckpt_dir)
+    return (d / OPTIM_META_NAME).is_file() and (d / OPTIM_TENSORS_NAME).is_file()
+
+
+def save_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> None:
+    """``optimizer.state_dict()`` split into tensors (safetensors) and the rest (JSON)."""
+    d = Path(ckpt_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    sd = optimizer.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
+    for idx, entry in sd["state"].items():
+        for key, val in entry.items():
+            if isinstance(val, torch.Tensor):
+                tensors[f"state.{idx}.{key}"] = val
+            else:
+                scalars.setdefault(str(idx), {})[key] = val
+    rest = {"optimizer": type(optimizer).__name__, "param_names": list(param_names),
+            "param_groups": sd["param_groups"], "state_scalars": scalars}
+    _save_tensors(tensors, d / OPTIM_TENSORS_NAME)
+    _write_atomic(d / OPTIM_META_NAME, lambda tmp: tmp.write_text(json.dumps(rest, indent=1) + "\n", encoding="utf-8"))
+
+
+def load_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> None:
+    """Restore a state saved by ``save_optimizer``; the optimiser kind and parameter list must match."""
+    d = Path(ckpt_dir)
+    meta_path = d / OPTIM_META_NAME
+    try:
+        rest = json.loads(meta_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NlaInputError(meta_path, "file not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NlaInputError(meta_path, "not valid JSON") from None
+    if rest.get("optimizer") != type(optimizer).__name__:
+        raise NlaInputError(meta_path, f"optimizer: expected {type(optimizer).__name__}, found {rest.get('optimizer')!r}")
+    saved_names = rest.get("param_names")
+    if saved_names != list(param_names):
+        diff = next((a for a, b in zip(saved_names or [], param_names) if a != b), None)
+        raise NlaInputError(meta_path, f"param_names: do not match the critic's trainable tensors (first difference {diff!r}, "
+                                       f"{len(saved_names or [])} saved vs {len(param_names)} now)")
+    tensors = _load_tensors(d / OPTIM_TENSORS_NAME)
+    state: dict[int, dict] = {}
+    for key, val in tensors.items():
+        _, idx, name = key.split(".", 2)
+        state.setdefault(int(idx), {})[name] = val
+    for idx, entry in rest.get("state_scalars", {}).items():
+        state.setdefault(int(idx), {}).update(entry)
+    groups = rest["param_groups"]
+    for g in groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

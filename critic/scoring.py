@@ -1,0 +1,243 @@
+"""The critic service: batched scoring of explanations and optional co-training.
+
+``score`` returns the normalised MSE between the critic's prediction and each gold activation
+(orthogonal = 2 at the default ``sqrt_d`` scale), or None where the sample cannot be scored. It runs
+micro-batches of right-padded prompts sorted by length, so a batch of 64 costs a few forwards
+instead of 64.
+
+``train_step`` is one supervised optimiser step on the valid samples, with gradient accumulation
+over micro-batches scaled so that the accumulated loss is the full-batch mean. A non-finite loss or
+gradient norm skips the step and leaves weights and optimiser state untouched (clipping does not
+sanitise NaN, so the check must come before ``optimizer.step``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from critic.checkpoint import (
+    META_NAME,
+    OPTIM_META_NAME,
+    OPTIM_TENSORS_NAME,
+    CriticMeta,
+    has_optimizer_state,
+    load_optimizer,
+    load_weights,
+    read_meta,
+    save_optimizer,
+    save_weights,
+)
+from critic.model import CriticModel
+from shared.config import LINEAR_MODULES
+from shared.errors import NlaInputError
+from shared.prompts import render_critic_ids
+from shared.schema import normalized_mse
+
+# fields that fix the critic's structure: a checkpoint must agree on all of them
+_STRUCTURE = ("num_layers", "d_model", "lora_r", "lora_alpha", "use_rslora", "target_modules")
+
+
+def _chunks(items: list, size: int):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class CriticService:
+    """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
+
+    def __init__(self, cfg, spec, device: str = "cpu"):
+        from shared.check import load_tokenizer
+        from shared.torch_utils import resolve_dtype
+
+        self.cfg = cfg
+        self.spec = spec
+        self.device = device
+        self.mse_scale = spec.mse_scale
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        pad = self.tokenizer.pad_token_id
+        # with right padding the pad id is never attended by a real token; any valid id will do
+        self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        self.dtype = resolve_dtype(cfg.model.dtype, device)
+        self.meta = self._architecture()
+        self.model = CriticModel.from_base(cfg.model.path, self.meta.num_layers, self.dtype, self.mse_scale,
+                                           d_model=spec.d_model, device=device)
+        if self.meta.lora_r > 0:
+            self.model.add_lora(self.meta.lora_r, self.meta.lora_alpha, self.meta.target_modules, self.meta.use_rslora)
+        self.model.eval()  # no dropout in training either: scores and updates see the same function
+        if cfg.critic.checkpoint:
+            load_weights(cfg.critic.checkpoint, self.model)
+        self.trainable = self.model.mark_trainable()
+        self.optimizer = None
+
+    # ---- structure -------------------------------------------------------------------------
+    def _architecture(self) -> CriticMeta:
+        c = self.cfg.critic
+        meta = CriticMeta(
+            num_layers=c.num_layers or self.spec.layer_index + 1,
+            d_model=self.spec.d_model,
+            lora_r=c.lora_r,
+            lora_alpha=c.lora_alpha,
+            use_rslora=True,
+            target_modules=list(LINEAR_MODULES) if c.lora_r > 0 else [],
+            base_model=str(self.cfg.model.path),
+            dtype=_dtype_name(self.dtype),
+        )
+        if c.checkpoint:
+            saved = read_meta(c.checkpoint)
+            # an AR checkpoint's own depth is used unless the config pins one
+            self._check_same_structure(saved, meta, Path(c.checkpoint) / META_NAME,
+                                       explicit_layers=c.num_layers is not None)
+            meta = replace(meta, num_layers=saved.num_layers)
+        return meta
+
+    @staticmethod
+    def _check_same_structure(saved: CriticMeta, want: CriticMeta, where: Path, explicit_layers: bool = True) -> None:
+        for key in _STRUCTURE:
+            if key == "num_layers" and not explicit_layers:
+                continue
+            if key in ("lora_alpha", "use_rslora", "target_modules") and want.lora_r == 0 and saved.lora_r == 0:
+                continue
+            a, b = getattr(saved, key), getattr(want, key)
+            if a != b:
+                hint = f" (set critic.{key} to match)" if key in ("num_layers", "lora_r", "lora_alpha") else ""
+                raise NlaInputError(where, f"{key}: the checkpoint has {a!r} but this critic is configured with {b!r}{hint}")
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def encode(self, explanations: list[str | None]) -> list[list[int] | None]:
+        """Critic prompt ids per explanation; None when missing, empty or over the token limit."""
+        limit = self.cfg.critic.max_prompt_tokens
+        out: list[list[int] | None] = []
+        for text in explanations:
+            if text is None:
+                out.append(None)
+                continue
+            ids = render_critic_ids(self.tokenizer, self.spec.ar_template, text)
+            out.append(ids if 0 < len(ids) <= limit else None)
+        return out
+
+    def _golds(self, activations, n: int) -> torch.Tensor:
+        if isinstance(activations, torch.Tensor):
+            golds = activations
+        elif isinstance(activations, (list, tuple)) and activations and isinstance(activations[0], torch.Tensor):
+            golds = torch.stack(list(activations))
+        else:
+            golds = torch.as_tensor(np.asarray(activations, dtype=np.float32))
+        if golds.ndim != 2 or golds.shape[0] != n or golds.shape[1] != self.spec.d_model:
+            raise ValueError(f"activations: expected shape ({n}, {self.spec.d_model}), found {tuple(golds.shape)}")
+        return golds.float()
+
+    def _batch(self, ids_list: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded ids and attention mask on the critic's device."""
+        width = max(len(ids) for ids in ids_list)
+        input_ids = torch.full((len(ids_list), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(ids_list), width), dtype=torch.long)
+        for row, ids in enumerate(ids_list):
+            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[row, :len(ids)] = 1
+        return input_ids.to(self.device), mask.to(self.device)
+
+    def _length_order(self, ids: list[list[int] | None]) -> list[int]:
+        # sorting by length keeps padding (wasted compute) small in every micro-batch
+        return sorted((i for i, x in enumerate(ids) if x is not None), key=lambda i: len(ids[i]))
+
+    # ---- scoring ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def predict_ids(self, ids_list: list[list[int]]) -> torch.Tensor:
+        """Predictions ``[N, d]`` (fp32, on CPU) for tokenised critic prompts, in input order."""
+        out = torch.empty((len(ids_list), self.spec.d_model), dtype=torch.float32)
+        order = sorted(range(len(ids_list)), key=lambda i: len(ids_list[i]))
+        for chunk in _chunks(order, self.cfg.critic.micro_batch):
+            out[chunk] = self.model(*self._batch([ids_list[i] for i in chunk])).cpu()
+        return out
+
+    @torch.no_grad()
+    def score(self, explanations: list[str | None], activations) -> list[float | None]:
+        """Normalised MSE per sample; None for a missing explanation, an over-long prompt or a non-finite result."""
+        golds = self._golds(activations, len(explanations))
+        ids = self.encode(explanations)
+        scores: list[float | None] = [None] * len(explanations)
+        for chunk in _chunks(self._length_order(ids), self.cfg.critic.micro_batch):
+            pred = self.model(*self._batch([ids[i] for i in chunk]))
+            mse = normalized_mse(pred, golds[chunk].to(pred.device), self.mse_scale)
+            for i, value in zip(chunk, mse.tolist()):
+                scores[i] = value if math.isfinite(value) else None
+        return scores
+
+    # ---- co-training -----------------------------------------------------------------------
+    def _ensure_optimizer(self):
+        if self.optimizer is None:
+            from shared.torch_utils import make_adamw
+
+            self.optimizer = make_adamw(self.trainable, self.cfg.critic.lr)
+        return self.optimizer
+
+    def train_step(self, explanations: list[str | None], activations) -> dict:
+        """One optimiser step on the valid samples.
+
+        Returns ``critic_loss`` (full-batch mean MSE before the step), ``critic_grad_norm`` (before
+        clipping), ``critic_skipped`` (True when no step was taken: no valid sample, or a non-finite
+        loss or norm) and ``critic_n`` (samples used). Values not computed are NaN.
+        """
+        golds = self._golds(activations, len(explanations))
+        ids = self.encode(explanations)
+        order = self._length_order(ids)
+        n = len(order)
+        result = {"critic_loss": float("nan"), "critic_grad_norm": float("nan"), "critic_skipped": True, "critic_n": n}
+        if n == 0:
+            return result
+        optimizer = self._ensure_optimizer()
+        optimizer.zero_grad(set_to_none=True)
+        total, finite = 0.0, True
+        for chunk in _chunks(order, self.cfg.critic.micro_batch):
+            pred = self.model(*self._batch([ids[i] for i in chunk]))
+            # weighted by the chunk's share so that the accumulated gradient is the full-batch mean's
+            loss = normalized_mse(pred, golds[chunk].to(pred.device), self.mse_scale).mean() * (len(chunk) / n)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            loss.backward()
+            total += float(loss.detach())
+        if finite:
+            result["critic_loss"] = total
+            norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.critic.max_grad_norm))
+            result["critic_grad_norm"] = norm
+            if math.isfinite(norm):
+                optimizer.step()
+                result["critic_skipped"] = False
+        optimizer.zero_grad(set_to_none=True)
+        return result
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save(self, ckpt_dir: str | Path, optimizer: bool = True) -> None:
+        """Weights + meta, and the optimiser state when there is one and ``optimizer`` is set."""
+        d = Path(ckpt_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        if optimizer and self.optimizer is not None:
+            save_optimizer(d, self.optimizer, self.model.trainable_names())
+        else:
+            # a stale optimiser state beside new weights would resume from the wrong moments
+            for name in (OPTIM_TENSORS_NAME, OPTIM_META_NAME):
+                (d / name).unlink(missing_ok=True)
+        save_weights(d, self.model, self.meta)
+
+    def load(self, ckpt_dir: str | Path, require_optimizer: bool = False) -> None:
+        """Weights (strictly) and, when present, the optimiser state of a checkpoint saved by ``save``."""
+        d = Path(ckpt_dir)
+        self._check_same_structure(read_meta(d), self.meta, d / META_NAME)
+        if require_optimizer and not has_optimizer_state(d):
+            raise NlaInputError(d, f"no critic optimiser state ({OPTIM_TENSORS_NAME} + {OPTIM_META_NAME}) to resume from")
+        load_weights(d, self.model)
+        if has_optimizer_state(d):
+            load_optimizer(d, self._ensure_optimizer(), self.model.trainable_names())
+
+    def describe(self) -> dict:
+        trainable = sum(p.numel() for p in self.trainable)
+        return {**asdict(self.meta), "trainable_params": trainable, "device": str(self.device)}
