@@ -1,0 +1,101 @@
+"""GRPO maths as pure tensor functions: group advantages, the clipped-surrogate + k3 loss, and the
+rollout/learner logprob mismatch.
+
+Shapes: ``N`` samples, ``T`` response tokens padded to the longest; ``mask[N, T]`` is True on real
+tokens. Values under a False mask may be anything (padding, -inf): they are replaced before any
+arithmetic, so they can neither leak into the loss nor turn a gradient into NaN.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards, group_ids, eps: float = 1e-6) -> torch.Tensor:
+    """Per-prompt normalised rewards ``(r - mean_g) / (std_g + eps)``.
+
+    ``std`` is the unbiased (n-1) standard deviation of the group, as the reference trainer uses;
+    a group with a single sample gets advantage 0 (there is nothing to compare it with).
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    g = torch.as_tensor(group_ids)
+    if r.ndim != 1 or g.shape != r.shape:
+        raise ValueError(f"expected rewards[N] and group_ids[N], found {tuple(r.shape)} and {tuple(g.shape)}")
+    adv = torch.zeros_like(r)
+    for gid in torch.unique(g):
+        sel = g == gid
+        group = r[sel]
+        if group.numel() < 2:
+            continue
+        adv[sel] = (group - group.mean()) / (group.std() + eps)
+    return adv
+
+
+def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(q-sampler || p): ``exp(d) - d - 1`` with ``d = log_p - log_q``; always >= 0."""
+    d = log_p - log_q
+    return torch.exp(d) - d - 1.0
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over each row's masked entries; 0 for a row without any."""
+    count = mask.sum(dim=-1)
+    return torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / count.clamp_min(1).to(x.dtype)
+
+
+def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04):
+    """Per-sample ``(loss[N], kl[N], clip_frac[N], has_tokens[N])`` of the GRPO objective.
+
+    Per token: ``-(min(r·A, clip(r, 1-ε, 1+ε)·A) - β·k3)`` with ``r = exp(new - old)`` and
+    ``k3 = exp(ref - new) - (ref - new) - 1``; each is averaged over the sample's own tokens.
+    ``old`` and ``ref`` are treated as constants. Samples without tokens get zeros and
+    ``has_tokens`` False; callers average over the others.
+    """
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=new_logp.dtype, device=new_logp.device)
+    # sanitise padding first: where() alone would still back-propagate NaN from exp(inf)
+    new = torch.where(mask, new_logp, zero)
+    old = torch.where(mask, old_logp.detach().to(new.dtype), zero)
+    ref = torch.where(mask, ref_logp.detach().to(new.dtype), zero)
+    adv = advantages.detach().to(new.dtype).reshape(-1, 1)
+
+    ratio = torch.exp(new - old)
+    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
+    surrogate = torch.minimum(ratio * adv, clipped * adv)
+    kl = k3(ref, new)
+    per_token = -(surrogate - kl_beta * kl)
+
+    outside = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).to(new.dtype)
+    return (
+        _masked_mean(per_token, mask),
+        _masked_mean(kl, mask).detach(),
+        _masked_mean(outside, mask).detach(),
+        mask.any(dim=-1),
+    )
+
+
+def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04):
+    """GRPO loss over a batch: per token, mean over each sample's mask, mean over samples with >= 1 token.
+
+    Returns ``(loss, metrics)``; ``metrics['kl_mean']`` and ``metrics['clip_frac']`` are per-sample
+    means averaged over the same samples (the reference trainer's definitions). A batch without
+    any token gives a zero loss that still back-propagates (zeros).
+    """
+    loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps, kl_beta)
+    n = int(has.sum())
+    if n == 0:
+        return loss_n.sum() * 0.0, {"kl_mean": 0.0, "clip_frac": 0.0, "samples": 0}
+    loss = loss_n[has].sum() / n
+    return loss, {"kl_mean": float(kl_n[has].mean()), "clip_frac": float(clip_n[has].mean()), "samples": n}
+
+
+def logprob_mismatch(rollout_logp, learner_logp, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample: mean ``|rollout - learner|`` and mean k3(rollout || learner) over its tokens.
+
+    k3 uses the rollout's own samples: ``exp(learner - rollout) - (learner - rollout) - 1``. Large
+    values mean the two engines do not run the same policy (weights or injection out of sync).
+    """
+    mask = mask.bool()
+    zero = torch.zeros((), dtype=torch.float32, device=mask.device)
+    a = torch.where(mask, rollout_logp.detach().float(), zero)
+    b = torch.where(mask, learner_logp.detach().float(), zero)
+    return _masked_mean((a - b).abs(), mask), _masked_mean(k3(b, a), mask)

@@ -1,0 +1,240 @@
+"""The learner's policy: base LLM + trainable LoRA "default" + frozen LoRA "reference", and the
+forward that turns a padded micro-batch (with the activation injected) into per-token response
+logprobs.
+
+The reference adapter is a copy of the *initial* policy adapter, so the KL term anchors to the
+starting verbaliser rather than to the bare base model (which ``disable_adapter()`` would give).
+Injection goes through ``shared.injection`` so the learner scores exactly the policy the rollout
+engines sample from.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from shared.injection import KarvonenHook, embed_batch, embed_norm
+
+POLICY = "default"
+REFERENCE = "reference"
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded prompt+response ids of a few samples and what the forward needs to score them."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    sites: torch.Tensor  # [B] marker position in each prompt
+    vectors: torch.Tensor  # [B, d] fp32 activations
+    prompt_lens: torch.Tensor  # [B]
+    response_lens: torch.Tensor  # [B]
+
+
+def pad_batch(prompts: list[list[int]], responses: list[list[int]], sites: list[int], vectors: torch.Tensor,
+              pad_id: int, device) -> MicroBatch:
+    """Right-pad ``prompt + response`` rows; padding is masked out of attention and never scored."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    ids = torch.full((len(prompts), max(lengths)), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        ids[row, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attn[row, : len(p) + len(r)] = 1
+    return MicroBatch(
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        sites=torch.tensor(sites, dtype=torch.long, device=device),
+        vectors=vectors.to(device=device, dtype=torch.float32),
+        prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),
+        response_lens=torch.tensor([len(r) for r in responses], dtype=torch.long, device=device),
+    )
+
+
+def logits_to_keep(batch: MicroBatch) -> int:
+    """How many trailing positions need logits: from the first position that predicts a response token."""
+    return batch.input_ids.shape[1] - int(batch.prompt_lens.min()) + 1
+
+
+def response_logprobs(logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logp[B, T], mask[B, T])``: log P(response token t | everything before it), fp32.
+
+    Token ``t`` of row ``b`` sits at ``prompt_len + t`` and is predicted by the logits one position
+    earlier. ``logits`` may cover only the last positions of the sequence (``logits_to_keep``).
+    Only the predicting rows are normalised, never the whole prompt.
+    """
+    B, K, V = logits.shape
+    L = batch.input_ids.shape[1]
+    T = max(int(batch.response_lens.max()), 1)
+    t = torch.arange(T, device=logits.device)
+    mask = t.unsqueeze(0) < batch.response_lens.unsqueeze(1)
+    pos = (batch.prompt_lens.unsqueeze(1) - 1 + t.unsqueeze(0)).clamp(L - K, L - 2)
+    picked = logits.gather(1, (pos - (L - K)).unsqueeze(-1).expand(B, T, V))
+    logp = torch.log_softmax(picked.float(), dim=-1)
+    targets = batch.input_ids.gather(1, pos + 1)
+    tok = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.where(mask, tok, torch.zeros_like(tok)), mask
+
+
+def adapter_parameters(model, name: str) -> dict[str, torch.nn.Parameter]:
+    """Live LoRA parameters of adapter ``name`` keyed as PEFT saves them (the adapter name dropped)."""
+    tag = f".{name}"
+    return {n.replace(tag, ""): p for n, p in model.named_parameters() if "lora_" in n and f"{tag}." in n}
+
+
+def _fresh_lora_config(cfg):
+    from peft import LoraConfig
+
+    lc = cfg.learner
+    return LoraConfig(
+        r=lc.lora_r, lora_alpha=lc.lora_alpha, use_rslora=lc.use_rslora, target_modules=list(lc.target_modules),
+        lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+    )
+
+
+def load_base_model(cfg, device):
+    """The frozen base LLM in the configured dtype (4-bit NF4 through bitsandbytes on request, GPU only)."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.torch_utils import resolve_dtype
+
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    gc = cfg.learner.gradient_checkpointing
+    kwargs = {"dtype": dtype}
+    if cfg.model.load_in_4bit:
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"model.load_in_4bit: expected a CUDA device, found {device!r}")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=dtype,
+        )
+        kwargs["device_map"] = {"": torch.device(device)}
+    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
+    model.config.use_cache = False
+    # non-reentrant checkpointing needs no input that requires grad (the embeddings are frozen)
+    gc_kwargs = {"use_reentrant": False}
+    if cfg.model.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs)
+    else:
+        model.to(device)
+        if gc:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def _check_adapter_targets(peft_config, where: str) -> None:
+    targets = peft_config.target_modules
+    targets = [targets] if isinstance(targets, str) else list(targets or [])
+    if any("embed" in t or "lm_head" in t for t in targets) or getattr(peft_config, "modules_to_save", None):
+        raise ValueError(f"{where}: expected LoRA on linear modules only (prompt embeddings + embedding LoRA crash vLLM), "
+                         f"found target_modules={targets}, modules_to_save={peft_config.modules_to_save}")
+
+
+def build_peft_model(cfg, device):
+    """Base + trainable "default" + frozen "reference" (= the initial "default", tensor for tensor)."""
+    from peft import PeftModel, get_peft_model
+
+    base = load_base_model(cfg, device)
+    if cfg.learner.adapter_init:
+        init = cfg.learner.adapter_init
+        model = PeftModel.from_pretrained(base, init, adapter_name=POLICY, is_trainable=True)
+        _check_adapter_targets(model.peft_config[POLICY], f"learner.adapter_init {init}")
+        model.load_adapter(init, adapter_name=REFERENCE, is_trainable=False)
+    else:
+        config = _fresh_lora_config(cfg)
+        # seeded and isolated: the same config gives the same initial adapter in every process,
+        # without disturbing the caller's RNG stream
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            model = get_peft_model(base, config, adapter_name=POLICY)
+            model.add_adapter(REFERENCE, _fresh_lora_config(cfg))
+        policy, reference = adapter_parameters(model, POLICY), adapter_parameters(model, REFERENCE)
+        with torch.no_grad():
+            for key, p in policy.items():
+                reference[key].copy_(p)
+    select_adapter(model, POLICY)
+    return model
+
+
+def select_adapter(model, name: str) -> None:
+    """Make ``name`` the active adapter and pin trainability: only "default" ever requires grad.
+
+    PEFT's ``set_adapter`` flips requires_grad to follow the active adapter; re-pinning keeps the
+    reference frozen whatever is active.
+    """
+    model.set_adapter(name, inference_mode=name != POLICY)
+    for p in adapter_parameters(model, REFERENCE).values():
+        p.requires_grad_(False)
+    for p in adapter_parameters(model, POLICY).values():
+        p.requires_grad_(True)
+
+
+class Policy:
+    """The PEFT model plus the injection that every forward of it applies."""
+
+    def __init__(self, cfg, spec, device: str = "cpu"):
+        self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
+        self.model = build_peft_model(cfg, device)
+        self.mode = cfg.injection.mode
+        emb = self.model.get_input_embeddings()
+        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(emb.weight))
+        self.hook = KarvonenHook(self.model, cfg.injection.karvonen_layer) if self.mode == "karvonen" else None
+        pad = self.model.config.pad_token_id
+        self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return list(adapter_parameters(self.model, POLICY).values())
+
+    def adapter_parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
+        return adapter_parameters(self.model, name)
+
+    def batch(self, prompts, responses, sites, vectors) -> MicroBatch:
+        return pad_batch(prompts, responses, sites, vectors, self.pad_id, self.device)
+
+    @contextlib.contextmanager
+    def injecting(self, batch: MicroBatch):
+        """Arm the karvonen hook for ``batch``. Keep the block open through backward: gradient
+        checkpointing re-runs the hooked block there, and a disarmed hook would recompute a different
+        forward (silently wrong gradients)."""
+        if self.hook is not None:
+            self.hook.set(batch.sites, batch.vectors)
+        try:
+            yield
+        finally:
+            if self.hook is not None:
+                self.hook.clear()
+
+    @contextlib.contextmanager
+    def using(self, adapter: str):
+        """Run the enclosed forwards under ``adapter``; always back on the policy afterwards."""
+        if adapter == POLICY:
+            yield
+            return
+        select_adapter(self.model, adapter)
+        try:
+            yield
+        finally:
+            select_adapter(self.model, POLICY)
+
+    def forward_logprobs(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token response logprobs of the active adapter, with the activation injected.
+
+        Karvonen mode must run inside ``injecting(batch)``.
+        """
+        # the lm_head runs only where a response token is predicted (the prompt is most of the sequence)
+        common = dict(attention_mask=batch.attention_mask, use_cache=False, logits_to_keep=logits_to_keep(batch))
+        if self.mode == "embed":
+            embeds = embed_batch(batch.input_ids, self.model.get_input_embeddings(), batch.sites, batch.vectors, self.scale)
+            out = self.model(inputs_embeds=embeds, **common)
+        else:
+            if self.hook.sites is None:
+                raise RuntimeError("karvonen forward outside Policy.injecting(batch): the activation would be missing")
+            out = self.model(input_ids=batch.input_ids, **common)
+        return response_logprobs(out.logits, batch)
+

@@ -1,0 +1,318 @@
+"""The GRPO learner: fused micro-batched updates of the policy LoRA, adapter export, full-state checkpoints.
+
+One ``update`` = per micro-batch: policy forward (with grad), reference forward (no grad, frozen
+"reference" adapter), loss, backward, free; then one clipped optimiser step, skipped when the loss
+or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
+moments and the weights).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from learner.grpo import logprob_mismatch, per_sample_grpo_terms
+from learner.policy import POLICY, REFERENCE, Policy
+
+CHECKPOINT_FORMAT = 1
+STATE_FILE = "learner_state.json"
+OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
+RNG_FILE = "rng.safetensors"
+ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+
+
+@dataclass
+class _Item:
+    """One non-empty sample, ready to batch."""
+
+    index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    site: int
+    vector: torch.Tensor
+    rollout_logp: torch.Tensor
+    advantage: float
+
+
+def _as_matrix(vectors, n: int) -> torch.Tensor:
+    if isinstance(vectors, (list, tuple)) and vectors and isinstance(vectors[0], torch.Tensor):
+        m = torch.stack([v.reshape(-1) for v in vectors])
+    else:
+        m = torch.as_tensor(vectors)
+    m = m.detach().to("cpu", torch.float32)
+    if m.ndim != 2 or m.shape[0] != n:
+        raise ValueError(f"vectors: expected [{n}, d] (one activation per sample), found {tuple(m.shape)}")
+    return m
+
+
+def _items(samples, vectors, advantages=None) -> list[_Item]:
+    """Validated non-empty samples (empty responses carry no token to learn from and are dropped)."""
+    vecs = _as_matrix(vectors, len(samples))
+    if advantages is not None and len(advantages) != len(samples):
+        raise ValueError(f"advantages: expected {len(samples)} values (one per sample), found {len(advantages)}")
+    items = []
+    for i, s in enumerate(samples):
+        if not s.response_ids:
+            continue
+        if len(s.logprobs) != len(s.response_ids):
+            raise ValueError(f"sample {i} (row {s.row_id}): {len(s.response_ids)} response ids but {len(s.logprobs)} logprobs")
+        if not 0 < s.site < len(s.prompt_ids) - 1:
+            raise ValueError(f"sample {i} (row {s.row_id}): marker site {s.site} outside the prompt's interior")
+        adv = 0.0 if advantages is None else float(advantages[i])
+        items.append(_Item(i, list(s.prompt_ids), list(s.response_ids), int(s.site), vecs[i],
+                           torch.tensor(s.logprobs, dtype=torch.float32), adv))
+    return items
+
+
+def _padded(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for r, x in enumerate(rows):
+        out[r, : x.numel()] = x
+    return out.to(device)
+
+
+def _mismatch(rollout: list[torch.Tensor], learner: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """Per-sample (mean |Δlogp|, k3) between ragged rollout and learner logprob rows."""
+    T = max(x.numel() for x in rollout)
+    mask = torch.arange(T).unsqueeze(0) < torch.tensor([x.numel() for x in rollout]).unsqueeze(1)
+    a, k = logprob_mismatch(_padded(rollout, T, "cpu"), _padded(learner, T, "cpu"), mask)
+    return a.tolist(), k.tolist()
+
+
+class Learner:
+    """HF + PEFT policy trained with GRPO; see the module doc string for one update's shape."""
+
+    def __init__(self, cfg, spec, device: str = "cpu"):
+        from shared.torch_utils import make_adamw
+
+        self.cfg, self.spec = cfg, spec
+        self.device = torch.device(device)
+        self.policy = Policy(cfg, spec, device)
+        self.model = self.policy.model
+        self.params = self.policy.trainable_parameters()
+        self.param_names = list(self.policy.adapter_parameters(POLICY))
+        self.optimizer = make_adamw(self.params, cfg.learner.lr, cfg.learner.optimizer)
+        self.step = 0
+        self.version = 1  # the initial adapter is version 1, so rollouts can load it before step 0
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def _chunks(self, items: list[_Item]):
+        mb = self.cfg.learner.micro_batch
+        for start in range(0, len(items), mb):
+            chunk = items[start: start + mb]
+            batch = self.policy.batch([it.prompt_ids for it in chunk], [it.response_ids for it in chunk],
+                                      [it.site for it in chunk], torch.stack([it.vector for it in chunk]))
+            yield start, chunk, batch
+
+    @torch.no_grad()
+    def _score(self, items: list[_Item], adapter: str) -> list[torch.Tensor]:
+        out = []
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for _, chunk, batch in self._chunks(items):
+                with self.policy.injecting(batch), self.policy.using(adapter):
+                    logp, _ = self.policy.forward_logprobs(batch)
+                out += [logp[r, : len(it.response_ids)].cpu() for r, it in enumerate(chunk)]
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def logprobs(self, samples, vectors, adapter: str = POLICY) -> list[list[float]]:
+        """Per-token response logprobs under ``adapter`` ("default" or "reference"); [] for empty responses."""
+        if adapter not in (POLICY, REFERENCE):
+            raise ValueError(f"adapter: expected {POLICY!r} or {REFERENCE!r}, found {adapter!r}")
+        items = _items(samples, vectors)
+        result: list[list[float]] = [[] for _ in samples]
+        for it, lp in zip(items, self._score(items, adapter)):
+            result[it.index] = lp.tolist()
+        return result
+
+    # ---- training --------------------------------------------------------------------------------
+    def _accumulate(self, items: list[_Item], old: list[torch.Tensor], keep: list[bool] | None) -> dict:
+        """Fused forward/reference/loss/backward over micro-batches; gradients left in ``.grad``.
+
+        ``keep=None`` decides the mismatch mask from each micro-batch's own forward (old = rollout
+        logprobs). Each chunk's loss is divided by the number of samples so the summed gradients
+        are those of the batch mean; masked samples are corrected for afterwards.
+        """
+        g = self.cfg.grpo
+        n = len(items)
+        kept, loss_sum, kls, clips, mm_abs, mm_k3 = 0, 0.0, [], [], [], []
+        decide = keep is None
+        keep = list(keep) if keep is not None else []
+        self.model.train()
+        for start, chunk, batch in self._chunks(items):
+            T = int(batch.response_lens.max())
+            adv = torch.tensor([it.advantage for it in chunk], dtype=torch.float32, device=self.device)
+            old_lp = _padded(old[start: start + len(chunk)], T, self.device)
+            with self.policy.injecting(batch):
+                new_lp, mask = self.policy.forward_logprobs(batch)
+                with torch.no_grad(), self.policy.using(REFERENCE):
+                    ref_lp, _ = self.policy.forward_logprobs(batch)
+                if decide:
+                    rollout = _padded([it.rollout_logp for it in chunk], T, self.device)
+                    a, k = logprob_mismatch(rollout, new_lp, mask)
+                    mm_abs += a.tolist()
+                    mm_k3 += k.tolist()
+                    keep += [not (x > self.cfg.learner.mismatch_mask_k3) for x in k.tolist()]
+                row_keep = torch.tensor(keep[start: start + len(chunk)], device=self.device)
+                loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta)
+                use = row_keep & has
+                if bool(use.any()):
+                    chunk_loss = loss_n[use].sum() / n
+                    chunk_loss.backward()
+                    loss_sum += float(loss_n[use].detach().sum())
+                    kls += kl_n[use].tolist()
+                    clips += clip_n[use].tolist()
+                    kept += int(use.sum())
+            del new_lp, ref_lp, loss_n
+        if 0 < kept < n:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(n / kept)
+        out = {
+            "loss": loss_sum / kept if kept else 0.0,
+            "kl_mean": sum(kls) / len(kls) if kls else 0.0,
+            "clip_frac": sum(clips) / len(clips) if clips else 0.0,
+            "kept": kept,
+            "keep": keep,
+        }
+        if decide:
+            out["mismatch"] = (mm_abs, mm_k3)
+        return out
+
+    def _optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
+        """Clip and step; returns (grad norm, skipped). Weights and optimiser state move only on success."""
+        if kept == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return 0.0, True
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.learner.max_grad_norm))
+        if not (math.isfinite(norm) and math.isfinite(loss)):
+            self.optimizer.zero_grad(set_to_none=True)
+            warnings.warn(f"learner: non-finite loss {loss} or grad norm {norm}: optimiser step skipped", RuntimeWarning)
+            return norm, True
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.version += 1
+        return norm, False
+
+    def update(self, samples, advantages, vectors) -> dict:
+        """One GRPO update on ``samples`` (``vectors[i]`` = sample i's activation); returns its metrics.
+
+        ``old`` logprobs are the rollout's (their ratio also absorbs the small engine mismatch); with
+        ``ppo_epochs > 1`` they are recomputed by the learner first and that many steps are taken.
+        Samples whose mismatch k3 exceeds ``mismatch_mask_k3`` are left out of the loss.
+        """
+        items = _items(samples, vectors, advantages)
+        epochs = self.cfg.learner.ppo_epochs
+        self.optimizer.zero_grad(set_to_none=True)
+        if not items:
+            return {"loss": 0.0, "grad_norm": 0.0, "kl_mean": 0.0, "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
+                    "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True}
+        rollout = [it.rollout_logp for it in items]
+        if epochs > 1:
+            old = self._score(items, POLICY)
+            mm_abs, mm_k3 = _mismatch(rollout, old)
+            keep = [not (x > self.cfg.learner.mismatch_mask_k3) for x in mm_k3]
+        else:
+            old, keep = rollout, None
+        skipped, norm = False, 0.0
+        for _ in range(epochs):
+            stats = self._accumulate(items, old, keep)
+            if keep is None:
+                keep = stats["keep"]
+                mm_abs, mm_k3 = stats["mismatch"]
+            norm, skipped = self._optimizer_step(stats["loss"], stats["kept"])
+            if skipped:
+                break
+        masked = sum(1 for k in keep if not k)
+        if masked:
+            warnings.warn(f"learner: {masked}/{len(items)} samples masked (rollout/learner logprob k3 > "
+                          f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed", RuntimeWarning)
+        return {
+            "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
+            "logprob_mismatch_mean_abs": sum(mm_abs) / len(mm_abs), "logprob_mismatch_k3": sum(mm_k3) / len(mm_k3),
+            "masked": masked, "skipped": skipped,
+        }
+
+    # ---- export and checkpoints ------------------------------------------------------------------
+    def _peft_config(self, name: str) -> dict:
+        from learner.checkpoint import jsonable
+
+        return jsonable(self.model.peft_config[name].to_dict())
+
+    def export_adapter(self):
+        """The policy adapter as CPU tensors with PEFT's saved key names, its PEFT config and version."""
+        from peft import get_peft_model_state_dict
+
+        from learner.checkpoint import cpu_copy
+        from shared.types import AdapterUpdate
+
+        state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
+        return AdapterUpdate(version=self.version, tensors={k: cpu_copy(v) for k, v in state.items()},
+                             peft_config=self._peft_config(POLICY))
+
+    def save(self, directory) -> Path:
+        """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""
+        from safetensors.torch import save_file
+
+        from learner.checkpoint import atomic_directory, capture_rng, cpu_copy, split_optimizer_state, write_json
+
+        with atomic_directory(directory) as tmp:
+            for name, sub in ((POLICY, "policy"), (REFERENCE, "reference")):
+                (tmp / sub).mkdir()
+                tensors = {k: cpu_copy(p) for k, p in self.policy.adapter_parameters(name).items()}
+                save_file(tensors, str(tmp / sub / ADAPTER_FILE), metadata={"format": "pt"})
+                write_json(tmp / sub / ADAPTER_CONFIG, self._peft_config(name))
+            opt_tensors, opt_meta = split_optimizer_state(self.optimizer.state_dict())
+            save_file(opt_tensors, str(tmp / OPTIMIZER_TENSORS))
+            write_json(tmp / OPTIMIZER_META, {**opt_meta, "param_names": self.param_names,
+                                              "optimizer": type(self.optimizer).__name__})
+            save_file({k: cpu_copy(v) for k, v in capture_rng().items()}, str(tmp / RNG_FILE))
+            write_json(tmp / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
+                                          "injection_mode": self.cfg.injection.mode})
+        return Path(directory)
+
+    def _load_adapter(self, name: str, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        live = self.policy.adapter_parameters(name)
+        if set(tensors) != set(live):
+            missing, extra = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
+            raise ValueError(f"{path}: adapter keys do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+        with torch.no_grad():
+            for key, p in live.items():
+                if tensors[key].shape != p.shape:
+                    raise ValueError(f"{path}: {key}: expected shape {tuple(p.shape)}, found {tuple(tensors[key].shape)}")
+                p.copy_(tensors[key])
+
+    def load(self, directory) -> None:
+        """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
+        from safetensors.torch import load_file
+
+        from learner.checkpoint import join_optimizer_state, read_json, restore_rng
+
+        d = Path(directory)
+        if not (d / STATE_FILE).is_file():
+            raise FileNotFoundError(f"{d}: not a learner checkpoint (no {STATE_FILE})")
+        state = read_json(d / STATE_FILE)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"{d / STATE_FILE}: expected format {CHECKPOINT_FORMAT}, found {state.get('format')!r}")
+        if state.get("injection_mode") != self.cfg.injection.mode:
+            raise ValueError(f"{d / STATE_FILE}: saved with injection mode {state.get('injection_mode')!r}, "
+                             f"this run uses {self.cfg.injection.mode!r}")
+        meta = read_json(d / OPTIMIZER_META)
+        if meta["param_names"] != self.param_names:
+            raise ValueError(f"{d / OPTIMIZER_META}: optimiser parameters do not match this model's adapter")
+        self._load_adapter(POLICY, d / "policy" / ADAPTER_FILE)
+        # the reference is the run's initial adapter: restored from the checkpoint, never trained
+        self._load_adapter(REFERENCE, d / "reference" / ADAPTER_FILE)
+        self.optimizer.load_state_dict(join_optimizer_state(load_file(str(d / OPTIMIZER_TENSORS)), meta))
+        restore_rng(load_file(str(d / RNG_FILE)))
+        self.step, self.version = int(state["step"]), int(state["version"])
