@@ -175,7 +175,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             upd = ray.get(services.learner.update.remote(samples, adv.tolist(), vectors))
             t_update = time.time() - t
             if upd.get("skipped"):
-                log(f"step {step}: non-finite loss or gradient norm, optimiser step skipped")
+                log(f"step {step}: optimiser step skipped (non-finite loss or gradient norm, or no usable sample)")
 
             # ---- critic co-training (after the rewards it produced were computed) ----
             phase = "critic"

@@ -1,0 +1,56 @@
+"""The rollout service as a Ray actor, and the backend choice.
+
+``RolloutActor`` is created lazily (module ``__getattr__``) so importing this module does not import
+Ray: ``RolloutActor.options(num_cpus=..., num_gpus=...).remote(cfg, spec, backend, device)``.
+"""
+from __future__ import annotations
+
+from rollout.engine import RolloutEngine
+from shared.types import AdapterUpdate, PromptRequest, Sample
+
+BACKENDS = ("vllm", "hf")
+
+
+def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None) -> RolloutEngine:
+    """The engine ``backend`` names (default: ``cfg.rollout.backend``)."""
+    backend = backend or cfg.rollout.backend
+    if backend == "vllm":
+        from rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(cfg, spec, device)
+    if backend == "hf":
+        from rollout.hf_engine import HfEngine
+
+        return HfEngine(cfg, spec, device)
+    raise ValueError(f"rollout backend: expected one of {BACKENDS}, found {backend!r}")
+
+
+class RolloutService:
+    """The actor body: one engine, the RolloutEngine calls as plain methods (Ray has no properties)."""
+
+    def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu"):
+        self.engine = make_engine(cfg, spec, device, backend)
+
+    def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
+        return self.engine.generate(requests, seed, ignore_eos, inject)
+
+    def load_adapter(self, update: AdapterUpdate) -> int:
+        """Returns the version now in use (lets the driver wait on the push)."""
+        self.engine.load_adapter(update)
+        return self.engine.adapter_version
+
+    def adapter_version(self) -> int:
+        return self.engine.adapter_version
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def __getattr__(name: str):
+    if name == "RolloutActor":
+        import ray
+
+        actor = ray.remote(RolloutService)
+        globals()["RolloutActor"] = actor
+        return actor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,60 @@
+"""Read only the input-embedding matrix from a model's safetensors (the vLLM actor never loads the HF model).
+
+Handles single-file and sharded checkpoints (through ``model.safetensors.index.json``) and tied
+embeddings (a checkpoint that stores only ``lm_head.weight``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from shared.errors import NlaInputError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _tensor_files(model_path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it."""
+    index = model_path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map") or {}
+        return {name: model_path / fname for name, fname in weight_map.items()}
+    single = model_path / SINGLE_FILE
+    if not single.is_file():
+        raise NlaInputError(model_path, f"expected {SINGLE_FILE} or {INDEX_FILE}")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def _tied(model_path: Path) -> bool:
+    cfg_file = model_path / "config.json"
+    if not cfg_file.is_file():
+        return False
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    text_cfg = cfg.get("text_config") or {}
+    return bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+
+
+def embedding_tensor_name(names) -> str | None:
+    """The input-embedding weight among checkpoint tensor names (shortest match: the language model's)."""
+    hits = sorted((n for n in names if n.endswith("embed_tokens.weight")), key=len)
+    return hits[0] if hits else None
+
+
+def load_embed_tokens(model_path, dtype=None, device: str = "cpu"):
+    """The ``[vocab, d]`` input-embedding weight, in ``dtype`` (default: as stored)."""
+    from safetensors import safe_open
+
+    path = Path(model_path)
+    files = _tensor_files(path)
+    name = embedding_tensor_name(files)
+    if name is None and _tied(path):
+        name = next((n for n in sorted(files, key=len) if n.endswith("lm_head.weight")), None)
+    if name is None:
+        raise NlaInputError(path, "no '*embed_tokens.weight' tensor in the checkpoint (nor a tied lm_head.weight)")
+    with safe_open(str(files[name]), framework="pt", device=device) as f:
+        weight = f.get_tensor(name)
+    return weight if dtype is None else weight.to(dtype)

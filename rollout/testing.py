@@ -1,0 +1,103 @@
+"""Building blocks for rollout tests and parity checks (tiny model only; nothing here runs in training).
+
+- ``tiny_requests``: ``PromptRequest``s rendered from the tiny dataset exactly as the driver does;
+- ``random_adapter_update``: a PEFT LoRA on the model with random non-zero ``lora_B`` (fixed seed),
+  exported as the learner exports it (``get_peft_model_state_dict`` names, ``LoraConfig.to_dict()``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from shared.types import AdapterUpdate, PromptRequest
+
+
+def tiny_requests(parquet, spec, tokenizer, n: int, prefill: str = "") -> list[PromptRequest]:
+    """The first ``n`` rows of an RL parquet as requests (row ids 0..n-1)."""
+    from shared.data import read_rows
+    from shared.prompts import find_marker_site, render_av_ids
+
+    rows = read_rows(Path(parquet), spec.d_model, max_rows=n)
+    out = []
+    for i in range(min(n, len(rows.prompts))):
+        ids = render_av_ids(tokenizer, rows.prompts[i], spec.marker, prefill)
+        site = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
+        out.append(PromptRequest(row_id=i, prompt_ids=ids, site=site, vector=[float(x) for x in rows.activations[i]]))
+    return out
+
+
+def random_adapter_update(model_path, version: int, seed: int, r: int, alpha: int, target_modules, use_rslora: bool = True,
+                          b_std: float = 0.1) -> AdapterUpdate:
+    """A fresh LoRA with ``lora_B ~ N(0, b_std²)`` (PEFT's own init leaves B = 0, a no-op adapter)."""
+    import torch
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)  # lora_A init
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora, lora_dropout=0.0)
+    peft_model = get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    tensors = {k: v.detach().clone() for k, v in get_peft_model_state_dict(peft_model).items()}
+    return AdapterUpdate(version=version, tensors=tensors, peft_config=config.to_dict())
+
+
+TEST_LORA_R, TEST_LORA_ALPHA = 8, 16
+TEST_PREFILL, TEST_STOP = "<explanation>", "</explanation>"
+
+
+def tiny_config(tiny_dir, injection: dict | None = None, **rollout):
+    """A CPU run config on the tiny model: prefill + explanation stop, small groups, LoRA r 8."""
+    from shared.config import build_config
+
+    ro = {"group_size": 4, "max_new_tokens": 16, "prefill": TEST_PREFILL, "extra_stop_tokens": [TEST_STOP],
+          "weight_transport": "memory", "max_loras": 2, **rollout}
+    return build_config({
+        "model": {"path": str(Path(tiny_dir) / "model"), "dtype": "float32"},
+        "injection": injection or {}, "rollout": ro,
+        "learner": {"lora_r": TEST_LORA_R, "lora_alpha": TEST_LORA_ALPHA},
+    })
+
+
+def update_for(cfg, version: int, seed: int) -> AdapterUpdate:
+    """``random_adapter_update`` shaped by the run config's LoRA settings."""
+    lc = cfg.learner
+    return random_adapter_update(cfg.model.path, version, seed, lc.lora_r, lc.lora_alpha, lc.target_modules, lc.use_rslora)
+
+
+def max_abs_diff(samples, recomputed) -> float:
+    """Largest |rollout logprob - recomputed logprob| over every response token."""
+    worst = 0.0
+    for s, r in zip(samples, recomputed, strict=True):
+        if len(s.logprobs) != len(r):
+            raise ValueError(f"row {s.row_id}/{s.group_index}: {len(s.logprobs)} vs {len(r)} logprobs")
+        worst = max([worst, *(abs(a - b) for a, b in zip(s.logprobs, r))])
+    return worst
+
+
+def compare_to_untrimmed(stopped, untrimmed, stop_ids, cap: int, atol: float = 1e-5) -> tuple[list[str], set[int]]:
+    """Check stop handling against an ``ignore_eos`` run with the same seed.
+
+    The stopped sample must be the untrimmed one cut after its first stop id (``stop``), or all of
+    it at the cap (``length``). Returns (problems, the stop ids that ended a sample).
+    """
+    problems, seen = [], set()
+    stops = set(stop_ids)
+    for s, u in zip(stopped, untrimmed, strict=True):
+        where = f"row {s.row_id} sample {s.group_index}"
+        first = next((i for i, t in enumerate(u.response_ids) if t in stops), None)
+        want = u.response_ids if first is None else u.response_ids[:first + 1]
+        if s.response_ids != want:
+            problems.append(f"{where}: {s.response_ids} != {want}")
+            continue
+        if any(abs(a - b) > atol for a, b in zip(s.logprobs, u.logprobs)) or len(s.logprobs) != len(want):
+            problems.append(f"{where}: logprobs differ from the untrimmed run")
+        expected = "length" if first is None else "stop"
+        if s.finish_reason != expected or (first is None and len(want) != cap):
+            problems.append(f"{where}: finish {s.finish_reason} with {len(want)} tokens (cap {cap})")
+        if first is not None:
+            seen.add(want[-1])
+    return problems, seen

