@@ -135,6 +135,7 @@ def main() -> int:
     ap.add_argument("--vllm-mem", type=float, default=0.35)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--transport", choices=["memory", "file"], default="memory")
     ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
     args = ap.parse_args()
     global DEVICE
@@ -162,7 +163,7 @@ def main() -> int:
         "model": {"path": str(root / "model"), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "gpu_memory_utilization": args.vllm_mem,
-                    "enforce_eager": args.enforce_eager, "weight_transport": "memory", "max_loras": 2,
+                    "enforce_eager": args.enforce_eager, "weight_transport": args.transport, "max_loras": 2,
                     "max_num_seqs": max(64, args.prompts * args.group)},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,

@@ -27,6 +27,18 @@ def _from_lora_tensors(lora_model_cls, **kwargs):
     return lora_model_cls.from_lora_tensors(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
+def _unstacked(mapper):
+    # The worker's own loader maps HF names without the QKV / gate-up fusion renames, so q_proj etc.
+    # survive for the LoRA manager to pack: 0.26 calls that view get_unstacked_mapper(), 0.3x
+    # get_rename_mapper(). The full mapper would rename q_proj to qkv_proj and break packing.
+    if mapper is None:
+        return None
+    for name in ("get_unstacked_mapper", "get_rename_mapper"):
+        if hasattr(mapper, name):
+            return getattr(mapper, name)()
+    return mapper
+
+
 def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, blob: bytes, peft_config: dict) -> bool:
     """Runs inside a vLLM worker: register an adapter from safetensors bytes under ``lora_int_id``.
 
@@ -51,9 +63,11 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
         getattr(manager, "_lora_model_cls", LoRAModel),
         lora_model_id=lora_int_id, tensors=load_safetensors(blob), peft_helper=helper, device="cpu",
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-        weights_mapper=None if mapper is None else mapper.get_rename_mapper(),
+        weights_mapper=_unstacked(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+    if not hasattr(lora, "is_3d_lora_weight"):  # 0.26's loader stamps this from the request (dense LoRA: False)
+        lora.is_3d_lora_weight = False
     # The manager's add_adapter loads through _load_adapter (a directory read); shadow it for this one
     # call with the model built above, so capacity eviction and activation stay vLLM's own.
     manager._load_adapter = lambda request: lora
