@@ -246,15 +246,21 @@ class Learner:
 
         return jsonable(self.model.peft_config[name].to_dict())
 
-    def export_adapter(self):
-        """The policy adapter as CPU tensors with PEFT's saved key names, its PEFT config and version."""
+    def export_adapter(self, device: str = "cpu"):
+        """The policy adapter with PEFT's saved key names, its PEFT config and version.
+
+        Tensors are snapshots (they share no storage with the trained weights): on the CPU by
+        default, as Ray's object store and other processes need; ``device="same"`` keeps them on
+        the learner's device for an engine in this process (no host round trip).
+        """
         from peft import get_peft_model_state_dict
 
         from learner.checkpoint import cpu_copy
         from shared.types import AdapterUpdate
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
-        return AdapterUpdate(version=self.version, tensors={k: cpu_copy(v) for k, v in state.items()},
+        copy = cpu_copy if device == "cpu" else (lambda t: t.detach().clone().contiguous())
+        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()},
                              peft_config=self._peft_config(POLICY))
 
     def save(self, directory) -> Path:

