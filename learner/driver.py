@@ -66,7 +66,8 @@ def _score(services, job: Job, samples, vectors):
     return expl, mses, rewards
 
 
-def _push(services, expected_version: int | None = None) -> int:
+def _push(services) -> int:
+    """Export the policy adapter once and load it into every engine; returns its version."""
     import ray
 
     update = ray.get(services.learner.export_adapter.remote())

@@ -46,7 +46,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
 
     from shared.check import load_tokenizer, model_hidden_size
     from shared.data import read_rows, split_eval
-    from shared.prompts import _as_ids, find_marker_site, render_av_ids
+    from shared.prompts import as_ids, find_marker_site, render_av_ids
     from shared.schema import fve_baselines
     from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 
@@ -60,7 +60,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:
-        ids = _as_ids(tok.encode(s, add_special_tokens=False))
+        ids = as_ids(tok.encode(s, add_special_tokens=False))
         if len(ids) != 1:
             raise NlaInputError("config", f"rollout.extra_stop_tokens: expected {s!r} to be one token, found {len(ids)} ids {ids}")
     log(f"[data] reading {cfg.data.parquet}")

@@ -83,8 +83,6 @@ class RolloutConfig(_Section):
     """Adapter push route: in-memory tensors through the engine, or safetensors in a node-local temp dir."""
     max_loras: int = Field(2, ge=1, le=64)
     """Adapters an engine keeps registered; older versions are retired."""
-    sleep_during_update: bool = False
-    """Colocated only: vLLM sleep level 1 while the learner updates."""
 
 
 class CriticConfig(_Section):

@@ -9,7 +9,8 @@ from __future__ import annotations
 INJECT_PLACEHOLDER = "<INJECT>"
 
 
-def _as_ids(out) -> list[int]:
+def as_ids(out) -> list[int]:
+    """Token ids as a flat list, whatever ``encode`` / ``apply_chat_template`` returned."""
     # transformers 5 may return a BatchEncoding from apply_chat_template(tokenize=True)
     if hasattr(out, "keys") and "input_ids" in out:
         out = out["input_ids"]
@@ -42,7 +43,7 @@ def render_av_text(tokenizer, messages: list[dict], marker: str, prefill: str = 
 
 def render_av_ids(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> list[int]:
     """Token ids of the AV prompt (never re-tokenized elsewhere)."""
-    return _as_ids(tokenizer.encode(render_av_text(tokenizer, messages, marker, prefill), add_special_tokens=False))
+    return as_ids(tokenizer.encode(render_av_text(tokenizer, messages, marker, prefill), add_special_tokens=False))
 
 
 def marker_sites(ids, marker_id: int, left_id: int, right_id: int) -> list[int]:
@@ -81,4 +82,4 @@ def render_critic_text(template: str, explanation: str) -> str:
 
 
 def render_critic_ids(tokenizer, template: str, explanation: str) -> list[int]:
-    return _as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
+    return as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))

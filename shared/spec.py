@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from shared.errors import NlaInputError
-from shared.prompts import _as_ids, find_marker_site, render_av_ids
+from shared.prompts import as_ids, find_marker_site, render_av_ids
 from shared.schema import resolve_scale
 
 SIDECAR_SUFFIX = ".nla_meta.yaml"
@@ -121,7 +121,7 @@ def load_spec(path: str | Path) -> NlaSpec:
 def validate_against_tokenizer(spec: NlaSpec, tokenizer) -> None:
     """The marker encodes to exactly its id, appears once in the rendered AV prompt, neighbours match."""
     where = spec.path
-    ids = _as_ids(tokenizer.encode(spec.marker, add_special_tokens=False))
+    ids = as_ids(tokenizer.encode(spec.marker, add_special_tokens=False))
     if ids != [spec.marker_id]:
         raise NlaInputError(
             where, f"tokens.injection_char {spec.marker!r}: expected to encode to the single id {spec.marker_id}, found {ids}"
