@@ -94,7 +94,8 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    subprocess.run(["ray", "stop", "--force"], capture_output=True, env=env)  # a killed driver's local Ray
+    ray = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray, "stop", "--force"], capture_output=True, env=env)  # what the killed driver's local Ray left
     assert (killed / "checkpoints" / "step_000003").is_dir()
     res = run_cli("train", "--resume", killed, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
