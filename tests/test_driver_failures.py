@@ -1,0 +1,116 @@
+"""The driver's failure handling, with light stand-in actors (no engines): a dead actor, a skipped step."""
+import os
+
+import pytest
+
+from learner.job import absolute_paths, prepare_job
+from learner.placement import Services
+from learner.run_dir import RunDir
+from shared.config import build_config
+from shared.types import AdapterUpdate, Sample
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class FakeLearner:
+    def __init__(self, skip_at=None):
+        self.version, self.step, self.skip_at = 1, 0, skip_at
+
+    def export_adapter(self):
+        return AdapterUpdate(self.version, {}, {})
+
+    def save(self, directory):
+        os.makedirs(directory)
+
+    def update(self, samples, advantages, vectors):
+        skipped = self.step == self.skip_at
+        self.step += 1
+        if not skipped:
+            self.version += 1
+        return {"loss": 0.0, "kl_mean": 0.0, "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
+                "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": skipped}
+
+
+class FakeCritic:
+    def __init__(self):
+        self.trained = 0
+
+    def score(self, explanations, vectors):
+        return [None if e is None else 0.5 for e in explanations]
+
+    def train_step(self, explanations, vectors):
+        self.trained += 1
+        return {"critic_loss": 0.5}
+
+    def trained_steps(self):
+        return self.trained
+
+    def save(self, directory):
+        os.makedirs(directory)
+
+
+class FakeRollout:
+    def __init__(self, group, die_at_call=None):
+        self.version, self.calls, self.group, self.die_at_call = 0, 0, group, die_at_call
+
+    def load_adapter(self, update):
+        self.version = update.version
+        return self.version
+
+    def generate(self, requests, seed, ignore_eos=False, inject=True):
+        if self.calls == self.die_at_call:
+            os._exit(1)  # the process dies as a crashed engine would
+        self.calls += 1
+        return [Sample(r.row_id, g, r.prompt_ids, r.site, [5, 6], [-1.0, -1.0], "<explanation>sea</explanation>",
+                       "stop", self.version) for r in requests for g in range(self.group)]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}})
+    yield ray
+    ray.shutdown()
+
+
+def _job(tiny_dir, steps):
+    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+                        "rollout": {"group_size": 2}, "grpo": {"steps": steps, "prompts_per_step": 4},
+                        "critic": {"train": True}, "logging": {"eval_every": 0}, "checkpointing": {"every": 0}}, "test")
+    return prepare_job(absolute_paths(cfg, ROOT), log=lambda m: None)
+
+
+def _services(ray, group, die_at_call=None, skip_at=None):
+    rollout = ray.remote(FakeRollout).remote(group, die_at_call)
+    return Services([rollout], ray.remote(FakeLearner).remote(skip_at), ray.remote(FakeCritic).remote(), None, "cpu")
+
+
+def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
+    from learner.driver import StepError, train
+
+    job = _job(tiny_dir, steps=5)
+    run = RunDir.create(tmp_path / "run", job.cfg)
+    with pytest.raises(StepError) as exc:
+        train(job, run, _services(ray_local, 2, die_at_call=2), log=lambda m: None)
+    msg = str(exc.value)
+    assert msg.startswith("step 2 (rollout): a service actor died") and "\n" not in msg
+    assert [r["step"] for r in run.read_metrics()] == [0, 1]  # the steps before the crash were logged
+
+
+def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_path):
+    from learner.driver import train
+
+    job = _job(tiny_dir, steps=4)
+    run = RunDir.create(tmp_path / "run", job.cfg)
+    lines = []
+    services = _services(ray_local, 2, skip_at=1)
+    train(job, run, services, log=lines.append)
+    rows = run.read_metrics()
+    assert [r["skipped"] for r in rows] == [False, True, False, False]
+    assert [r["adapter_version"] for r in rows] == [2, 2, 3, 4]
+    assert ray_local.get(services.critic.trained_steps.remote()) == 3
+    assert any(l.startswith("step 1: optimiser step skipped") for l in lines)
+    assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
