@@ -52,15 +52,21 @@ class Services:
     device: str
 
 
-def start_services(cfg: RunConfig, spec) -> Services:
-    """Create the rollout engine actors, the learner and the critic, placed as ``cfg.placement`` says."""
+def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> Services:
+    """Create the rollout engine actors, the learner and the critic, placed as ``cfg.placement`` says.
+
+    ``actor_classes`` = (rollout, learner, critic) Ray actor classes; the real services by default.
+    """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from critic.actor import CriticActor
-    from learner.actor import LearnerActor
-    from rollout.actor import RolloutActor
+    if actor_classes is None:
+        from critic.actor import CriticActor
+        from learner.actor import LearnerActor
+        from rollout.actor import RolloutActor
+    else:
+        RolloutActor, LearnerActor, CriticActor = actor_classes
 
     mode, backend = cfg.placement.mode, cfg.rollout.backend
     if mode == "cpu":
@@ -93,7 +99,8 @@ def start_services(cfg: RunConfig, spec) -> Services:
     pg = placement_group(bundles, strategy="PACK")
     ray.get(pg.ready())
     n = cfg.rollout.num_engines
-    rollouts = [RolloutActor.options(num_cpus=0, num_gpus=tp if tp == 1 else 0, scheduling_strategy=at(pg, i)).remote(cfg, spec, backend, "cuda") for i in range(n)]
+    # each engine sees its tp GPUs (vLLM's multiprocessing executor spreads over them)
+    rollouts = [RolloutActor.options(num_cpus=0, num_gpus=tp, scheduling_strategy=at(pg, i)).remote(cfg, spec, backend, "cuda") for i in range(n)]
     if cfg.placement.critic_own_gpu:
         learner = LearnerActor.options(num_cpus=0, num_gpus=cfg.placement.learner_gpus, scheduling_strategy=at(pg, n)).remote(cfg, spec, "cuda")
         critic = CriticActor.options(num_cpus=0, num_gpus=1, scheduling_strategy=at(pg, n + 1)).remote(cfg, spec, "cuda")
