@@ -106,8 +106,12 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     return out
 
 
-def _checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, version: int, keep_last: int) -> Path:
-    """Critic first, then the policy, then the training state; the directory appears only when complete."""
+def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, version: int) -> Path:
+    """Critic first, then the policy, then the training state, into a temporary directory.
+
+    The caller commits it (renames it into place) only after the step's metrics are written, so a
+    kill in between resumes from the previous checkpoint and redoes the step with its log line.
+    """
     import ray
 
     tmp = run.checkpoint_tmp(step)
@@ -115,7 +119,7 @@ def _checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, version:
     ray.get(services.learner.save.remote(str(tmp / "policy")))
     state = {"step": step, "order": order.state(), "adapter_version": version}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    return run.commit_checkpoint(tmp, step, keep_last)
+    return tmp
 
 
 def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=print, wandb_run=None) -> dict:
@@ -231,12 +235,15 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             phase = "checkpoint"
             t = time.time()
             every = cfg.checkpointing.every
+            pending = None
             if (every and (step + 1) % every == 0) or step + 1 == cfg.grpo.steps:
-                _checkpoint(services, run, order, step + 1, version, cfg.checkpointing.keep_last)
+                pending = _write_checkpoint(services, run, order, step + 1, version)
             row["time/checkpoint"] = time.time() - t
             row["wall_s"] = time.time() - t0
             row["elapsed_s"] = time.time() - t_run
             run.append_metrics(row)
+            if pending is not None:
+                run.commit_checkpoint(pending, step + 1, cfg.checkpointing.keep_last)
             if wandb_run is not None:
                 wandb_run.log(row, step=step)
             if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:

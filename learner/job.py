@@ -27,6 +27,18 @@ def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
     })
 
 
+def _check_combinations(cfg: RunConfig) -> None:
+    """Settings that validate one by one but cannot work together."""
+    if cfg.model.load_in_4bit and cfg.rollout.backend == "vllm":
+        raise NlaInputError("config", "model.load_in_4bit: the learner would score NF4 weights while vLLM samples the "
+                            "bf16 ones (a systematic policy mismatch); use it with rollout.backend=hf only")
+    on_gpu = cfg.placement.mode != "cpu"
+    low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
+    if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
+        raise NlaInputError("config", "critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates "
+                            "(no fp32 master weights); set critic.lora_r > 0 or model.dtype: float32")
+
+
 @dataclass
 class Job:
     cfg: RunConfig
@@ -50,6 +62,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     from shared.schema import fve_baselines
     from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 
+    _check_combinations(cfg)
     model_dir = Path(cfg.model.path)
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (config model.path)")

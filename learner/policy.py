@@ -134,6 +134,8 @@ def _check_adapter_targets(peft_config, where: str) -> None:
     if any("embed" in t or "lm_head" in t for t in targets) or getattr(peft_config, "modules_to_save", None):
         raise ValueError(f"{where}: expected LoRA on linear modules only (prompt embeddings + embedding LoRA crash vLLM), "
                          f"found target_modules={targets}, modules_to_save={peft_config.modules_to_save}")
+    if getattr(peft_config, "bias", "none") != "none":
+        raise ValueError(f"{where}: expected bias='none' (vLLM serves LoRA without bias terms), found {peft_config.bias!r}")
 
 
 def build_peft_model(cfg, device):
@@ -146,6 +148,7 @@ def build_peft_model(cfg, device):
         model = PeftModel.from_pretrained(base, init, adapter_name=POLICY, is_trainable=True)
         _check_adapter_targets(model.peft_config[POLICY], f"learner.adapter_init {init}")
         model.load_adapter(init, adapter_name=REFERENCE, is_trainable=False)
+        _disable_lora_dropout(model)
     else:
         config = _fresh_lora_config(cfg)
         # seeded and isolated: the same config gives the same initial adapter in every process,
@@ -160,6 +163,16 @@ def build_peft_model(cfg, device):
                 reference[key].copy_(p)
     select_adapter(model, POLICY)
     return model
+
+
+def _disable_lora_dropout(model) -> None:
+    """A saved SFT adapter may carry lora_dropout: in train mode it would make the learner's scores
+    random while vLLM never drops anything (ratio, KL and mismatch would all pick up noise)."""
+    for module in model.modules():
+        drop = getattr(module, "lora_dropout", None)
+        if isinstance(drop, torch.nn.ModuleDict):
+            for key in list(drop.keys()):
+                drop[key] = torch.nn.Identity()
 
 
 def select_adapter(model, name: str) -> None:

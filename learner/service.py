@@ -158,8 +158,11 @@ class Learner:
                     a, k = logprob_mismatch(rollout, new_lp, mask)
                     mm_abs += a.tolist()
                     mm_k3 += k.tolist()
-                    keep += [not (x > self.cfg.learner.mismatch_mask_k3) for x in k.tolist()]
+                    keep += [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in k.tolist()]
                 row_keep = torch.tensor(keep[start: start + len(chunk)], device=self.device)
+                # a masked row still sits in the graph: a non-finite old logprob there would turn its
+                # zero upstream gradient into NaN (0 * NaN) for the whole step
+                old_lp = torch.where(torch.isfinite(old_lp), old_lp, new_lp.detach())
                 loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta)
                 use = row_keep & has
                 if bool(use.any()):
@@ -218,10 +221,10 @@ class Learner:
         if epochs > 1:
             old = self._score(items, POLICY)
             mm_abs, mm_k3 = _mismatch(rollout, old)
-            keep = [not (x > self.cfg.learner.mismatch_mask_k3) for x in mm_k3]
+            keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in mm_k3]
         else:
             old, keep = rollout, None
-        skipped, norm = False, 0.0
+        stepped, norm = 0, 0.0
         for _ in range(epochs):
             stats = self._accumulate(items, old, keep)
             if keep is None:
@@ -230,6 +233,10 @@ class Learner:
             norm, skipped = self._optimizer_step(stats["loss"], stats["kept"])
             if skipped:
                 break
+            stepped += 1
+        # "skipped" means the weights did not move at all; a later epoch failing after an earlier
+        # one stepped still changed the policy (and its version), which must be pushed
+        skipped = stepped == 0
         masked = sum(1 for k in keep if not k)
         if masked:
             warnings.warn(f"learner: {masked}/{len(items)} samples masked (rollout/learner logprob k3 > "

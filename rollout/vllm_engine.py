@@ -29,18 +29,39 @@ def dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def adapter_shape(cfg) -> tuple[int, list[str]]:
+    """Largest LoRA rank and target modules the engine must accept: the SFT adapter's when the
+    policy starts from one (its saved config, rank_pattern included), else the fresh adapter's."""
+    import json
+    from pathlib import Path
+
+    init = cfg.learner.adapter_init
+    if not init:
+        return cfg.learner.lora_r, list(cfg.learner.target_modules)
+    path = Path(init) / "adapter_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise NlaInputError(path, "learner.adapter_init: expected a PEFT adapter directory with adapter_config.json") from None
+    ranks = [int(raw.get("r", cfg.learner.lora_r)), *map(int, (raw.get("rank_pattern") or {}).values())]
+    targets = raw.get("target_modules") or list(cfg.learner.target_modules)
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    return max(ranks), targets
+
+
 def engine_kwargs(cfg, device: str, dtype) -> dict:
     """``vllm.LLM`` keyword arguments from the run config."""
     ro = cfg.rollout
+    rank, targets = adapter_shape(cfg)
     kwargs = dict(
         model=str(model_dir(cfg)), dtype=dtype_name(dtype), seed=cfg.seed,
         enable_prompt_embeds=True,
         # prefix caching would reuse KV of an identical token prefix computed with another vector
         enable_prefix_caching=False,
-        enable_lora=True, max_lora_rank=max_lora_rank_for(cfg.learner.lora_r), max_loras=ro.max_loras,
+        enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
         # restricting LoRA to the adapter's linear modules is what makes prompt_embeds + LoRA work
         # (an embedding LoRA under prompt_embeds crashes the engine)
-        lora_target_modules=list(cfg.learner.target_modules),
+        lora_target_modules=targets,
     )
     if device == "cpu":
         # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.

@@ -134,10 +134,10 @@ def test_nan_loss_leaves_weights_and_optimizer_untouched(tiny_dir, rollouts):
     learner = _learner(tiny_dir, lr=1e-2)
     learner.update(samples, _adv(len(samples)), vectors)  # optimiser state exists
     weights, opt, version = _adapter(learner), _optimizer_snapshot(learner.optimizer), learner.version
-    poisoned = copy.deepcopy(samples)
-    poisoned[3].logprobs[0] = float("nan")
+    poisoned = _adv(len(samples))
+    poisoned[3] = float("nan")  # (a NaN rollout logprob is masked instead: tests/test_learner_guards.py)
     with pytest.warns(RuntimeWarning, match="non-finite"):
-        m = learner.update(poisoned, _adv(len(samples)), vectors)
+        m = learner.update(samples, poisoned, vectors)
     assert m["skipped"] and not math.isfinite(m["loss"])
     assert _equal(_adapter(learner), weights) and _same_optimizer(_optimizer_snapshot(learner.optimizer), opt)
     assert learner.version == version and all(p.grad is None for p in learner.params)

@@ -1,0 +1,97 @@
+"""Guards found in review: SFT adapters with dropout, NaN rollout logprobs, partly skipped PPO epochs,
+settings that cannot work together, and the engine's LoRA limits for a loaded adapter."""
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+
+from learner.service import Learner
+from shared.errors import NlaInputError
+
+from test_learner_support import load_tiny_spec, make_cfg, sample_responses
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_dir):
+    return sample_responses(tiny_dir, "embed", n_prompts=2, group=2, max_new=5)
+
+
+def _sft_adapter(tiny_dir, path, dropout):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"],
+                     rank_pattern={"v_proj": 8})
+    torch.manual_seed(0)
+    peft = get_peft_model(model, cfg)
+    for n, p in peft.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.1)
+    peft.save_pretrained(path)
+    return path
+
+
+def test_sft_adapter_dropout_never_randomises_the_learner(tiny_dir, tmp_path, rollouts):
+    samples, vectors = rollouts
+    init = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.5)
+    learner = Learner(make_cfg(tiny_dir, "embed", adapter_init=str(init)), load_tiny_spec(tiny_dir))
+    items = learner.policy.batch([s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                                 [s.site for s in samples], torch.as_tensor(vectors, dtype=torch.float32))
+    learner.model.train()
+    with torch.no_grad(), learner.policy.injecting(items):
+        a, _ = learner.policy.forward_logprobs(items)
+        b, _ = learner.policy.forward_logprobs(items)
+    assert torch.equal(a, b)
+
+
+def test_engine_lora_limits_follow_the_loaded_adapter(tiny_dir, tmp_path):
+    from rollout.vllm_engine import adapter_shape
+
+    init = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
+    rank, targets = adapter_shape(make_cfg(tiny_dir, "embed", adapter_init=str(init)))
+    assert rank == 8 and sorted(targets) == ["q_proj", "v_proj"]
+    assert adapter_shape(make_cfg(tiny_dir, "embed"))[0] == make_cfg(tiny_dir, "embed").learner.lora_r
+    with pytest.raises(NlaInputError, match="adapter_config.json"):
+        adapter_shape(make_cfg(tiny_dir, "embed", adapter_init=str(tmp_path)))
+
+
+def test_nan_rollout_logprob_masks_that_sample_only(tiny_dir, rollouts):
+    samples, vectors = rollouts
+    broken = [dataclasses.replace(s) for s in samples]
+    broken[1].logprobs = [float("nan")] + broken[1].logprobs[1:]
+    learner = Learner(make_cfg(tiny_dir, "embed", lr=1e-2, mismatch_mask_k3=0.5), load_tiny_spec(tiny_dir))
+    with pytest.warns(RuntimeWarning, match="masked"):
+        m = learner.update(broken, [1.0, -1.0, 0.5, -0.5], vectors)
+    assert not m["skipped"] and m["masked"] == 1 and math.isfinite(m["loss"])
+
+
+def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, monkeypatch):
+    samples, vectors = rollouts
+    learner = Learner(make_cfg(tiny_dir, "embed", ppo_epochs=2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
+    real, calls = learner._optimizer_step, []
+
+    def second_fails(loss, kept):
+        calls.append(1)
+        return real(float("nan") if len(calls) == 2 else loss, kept)
+
+    monkeypatch.setattr(learner, "_optimizer_step", second_fails)
+    m = learner.update(samples, [1.0, -1.0, 0.5, -0.5], vectors)
+    assert len(calls) == 2 and not m["skipped"] and learner.version == 2
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"model": {"load_in_4bit": True}}, "model.load_in_4bit"),
+    ({"model": {"dtype": "bfloat16"}, "critic": {"train": True, "lora_r": 0}}, "critic.lora_r=0"),
+    ({"placement": {"mode": "colocated"}, "critic": {"train": True}}, "critic.lora_r=0"),
+])
+def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
+    from learner.job import prepare_job
+    from shared.config import build_config
+
+    raw = {**raw, "model": {"path": str(tiny_dir / "model"), **raw.get("model", {})},
+           "data": {"parquet": str(tiny_dir / "rl.parquet")}}
+    with pytest.raises(NlaInputError, match=needle):
+        prepare_job(build_config(raw, "t"), log=lambda m: None)
