@@ -6,6 +6,8 @@ there, on the device Ray gave it).
 """
 from __future__ import annotations
 
+from shared.actors import lazy_actor_getattr
+
 
 class CriticWorker:
     """Forwards to a ``CriticService`` living in this process."""
@@ -31,16 +33,4 @@ class CriticWorker:
         return self.service.describe()
 
 
-_remote_class = None
-
-
-def __getattr__(name: str):
-    # module-level lazy attribute: `from critic.actor import CriticActor` imports ray only then
-    global _remote_class
-    if name == "CriticActor":
-        if _remote_class is None:
-            import ray
-
-            _remote_class = ray.remote(CriticWorker)
-        return _remote_class
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_actor_getattr(__name__, globals(), "CriticActor", CriticWorker)

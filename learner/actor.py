@@ -5,6 +5,8 @@ Ray or torch: ``LearnerActor.options(num_cpus=..., num_gpus=...).remote(cfg, spe
 """
 from __future__ import annotations
 
+from shared.actors import lazy_actor_getattr
+
 
 class LearnerService:
     """The actor body: a ``learner.service.Learner`` behind plain methods (Ray has no properties)."""
@@ -35,11 +37,4 @@ class LearnerService:
         return self.learner.version
 
 
-def __getattr__(name: str):
-    if name == "LearnerActor":
-        import ray
-
-        actor = ray.remote(LearnerService)
-        globals()["LearnerActor"] = actor
-        return actor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_actor_getattr(__name__, globals(), "LearnerActor", LearnerService)

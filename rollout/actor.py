@@ -6,6 +6,7 @@ Ray: ``RolloutActor.options(num_cpus=..., num_gpus=...).remote(cfg, spec, backen
 from __future__ import annotations
 
 from rollout.engine import RolloutEngine
+from shared.actors import lazy_actor_getattr
 from shared.types import AdapterUpdate, PromptRequest, Sample
 
 BACKENDS = ("vllm", "hf")
@@ -46,11 +47,4 @@ class RolloutService:
         self.engine.close()
 
 
-def __getattr__(name: str):
-    if name == "RolloutActor":
-        import ray
-
-        actor = ray.remote(RolloutService)
-        globals()["RolloutActor"] = actor
-        return actor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_actor_getattr(__name__, globals(), "RolloutActor", RolloutService)

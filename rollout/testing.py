@@ -101,3 +101,9 @@ def compare_to_untrimmed(stopped, untrimmed, stop_ids, cap: int, atol: float = 1
         if first is not None:
             seen.add(want[-1])
     return problems, seen
+
+
+def vectors_of(samples, requests):
+    """Each sample's activation, looked up from the request with its row id."""
+    by_row = {r.row_id: r.vector for r in requests}
+    return [by_row[s.row_id] for s in samples]

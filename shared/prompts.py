@@ -29,10 +29,6 @@ def substitute_marker(messages: list[dict], marker: str) -> list[dict]:
     ]
 
 
-def count_placeholders(messages: list[dict]) -> int:
-    return sum(m["content"].count(INJECT_PLACEHOLDER) for m in messages if isinstance(m.get("content"), str))
-
-
 def render_av_text(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> str:
     """The AV prompt as text: chat template with generation prompt, then the assistant prefill."""
     text = tokenizer.apply_chat_template(

@@ -11,10 +11,6 @@ def resolve_dtype(name: str, device: str | torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def make_adamw(params, lr: float, kind: str = "auto"):
     """8-bit AdamW from bitsandbytes where asked for / available (CUDA), torch AdamW otherwise; betas (0.9, 0.95)."""
     params = list(params)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rollout.testing import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for
+from rollout.testing import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
 from shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")
@@ -42,11 +42,6 @@ def hf(cfg, spec):
 @pytest.fixture(scope="module")
 def requests(tiny_dir, spec, engine):
     return tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 24, prefill=engine.cfg.rollout.prefill)
-
-
-def vectors_of(samples, requests):
-    by_row = {r.row_id: r.vector for r in requests}
-    return [by_row[s.row_id] for s in samples]
 
 
 def test_groups_layout_and_fixed_seed(engine, requests):
