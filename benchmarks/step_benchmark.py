@@ -237,8 +237,8 @@ def main() -> int:
     t = time.perf_counter()
     eng = VllmEngine(cfg, job.spec, DEVICE)
     res["vllm_start_s"] = time.perf_counter() - t
-    update0 = learner.export_adapter()
-    eng.load_adapter(update0)
+    # the engine lives in this process: the adapter's GPU tensors go to it as they are
+    eng.load_adapter(learner.export_adapter(device="same"))
     steps = []
     for k in range(args.steps):
         samples, t_roll = timed(lambda: eng.generate(reqs, seed=k, ignore_eos=True))
@@ -253,7 +253,7 @@ def main() -> int:
         peak = peak_gb()
 
         def push():
-            u = learner.export_adapter()
+            u = learner.export_adapter(device="same")
             eng.load_adapter(u)
             return u
 

@@ -22,8 +22,9 @@ class LearnerService:
     def logprobs(self, samples, vectors, adapter: str = "default") -> list[list[float]]:
         return self.learner.logprobs(samples, vectors, adapter)
 
-    def export_adapter(self):
-        return self.learner.export_adapter()
+    def export_adapter(self, route: str = "host"):
+        """One packed buffer (``shared.tensor_wire``): host memory, or a CUDA IPC handle on a shared GPU."""
+        return self.learner.export_adapter(route=route)
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))

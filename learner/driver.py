@@ -19,7 +19,7 @@ from learner.run_dir import RunDir
 from shared.data import ShuffledOrder
 from shared.types import PromptRequest
 
-TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
+TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
 
 
 class StepError(RuntimeError):
@@ -66,14 +66,48 @@ def _score(services, job: Job, samples, vectors):
     return expl, mses, rewards
 
 
-def _push(services) -> int:
-    """Export the policy adapter once and load it into every engine; returns its version."""
+def _sleep(services, cfg) -> float:
+    """Put the engines to sleep for the update (``rollout.sleep_during_update``); returns seconds spent."""
     import ray
 
-    update = ray.get(services.learner.export_adapter.remote())
-    ref = ray.put(update)
-    ray.get([eng.load_adapter.remote(ref) for eng in services.rollouts])
-    return update.version
+    if not cfg.rollout.sleep_during_update:
+        return 0.0
+    t = time.time()
+    ray.get([eng.sleep.remote() for eng in services.rollouts])
+    return time.time() - t
+
+
+def _wake_up(services, cfg) -> float:
+    import ray
+
+    if not cfg.rollout.sleep_during_update:
+        return 0.0
+    t = time.time()
+    ray.get([eng.wake_up.remote() for eng in services.rollouts])
+    return time.time() - t
+
+
+def adapter_route(cfg) -> str:
+    """``placement.adapter_route`` resolved: a CUDA IPC handle only where all actors share one GPU."""
+    route = cfg.placement.adapter_route
+    if route == "auto":
+        return "cuda_ipc" if cfg.placement.mode == "colocated" else "host"
+    return route
+
+
+def _push(services, route: str) -> int:
+    """Export the policy adapter once and load it into every engine; returns its version.
+
+    The export stays a Ray object reference: the engines read it straight from the learner's store,
+    never through this process.
+    """
+    import ray
+
+    ref = services.learner.export_adapter.remote(route)
+    versions = ray.get([eng.load_adapter.remote(ref) for eng in services.rollouts])
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"engines report different adapter versions after a push: {versions}")
+    return versions[0]
 
 
 def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
@@ -141,7 +175,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         start = int(state["step"])
         log(f"[resume] from {resume_from} at step {start}")
     run.truncate_logs(start)
-    version = _push(services)
+    version = _push(services, adapter_route(cfg))
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
     t_run = time.time()
     last: dict = {}
@@ -174,8 +208,9 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             # ---- advantages ----
             adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids, eps=cfg.grpo.adv_eps)
 
-            # ---- update ----
+            # ---- update (vLLM asleep meanwhile, when configured) ----
             phase = "update"
+            t_sleep = _sleep(services, cfg)
             t = time.time()
             upd = ray.get(services.learner.update.remote(samples, adv.tolist(), vectors))
             t_update = time.time() - t
@@ -194,9 +229,10 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- push ----
             phase = "push"
+            t_sleep += _wake_up(services, cfg)
             t = time.time()
             if not upd.get("skipped"):
-                version = _push(services)
+                version = _push(services, adapter_route(cfg))
             t_push = time.time() - t
 
             # ---- log ----
@@ -218,7 +254,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                 "advantage_std": float(adv.std()),
                 "adapter_version": version,
                 "time/rollout": t_rollout, "time/score": t_score, "time/update": t_update,
-                "time/critic": t_critic, "time/push": t_push,
+                "time/critic": t_critic, "time/push": t_push, "time/sleep": t_sleep,
             }
             row.update({k: v for k, v in upd.items() if k != "skipped"})
             row["skipped"] = bool(upd.get("skipped", False))

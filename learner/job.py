@@ -33,6 +33,12 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise NlaInputError("config", "model.load_in_4bit: the learner would score NF4 weights while vLLM samples the "
                             "bf16 ones (a systematic policy mismatch); use it with rollout.backend=hf only")
     on_gpu = cfg.placement.mode != "cpu"
+    if cfg.rollout.sleep_during_update and (cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm"):
+        raise NlaInputError("config", "rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm "
+                            f"(found {cfg.placement.mode}, {cfg.rollout.backend}): only a GPU shared with the learner gains from it")
+    if cfg.placement.adapter_route == "cuda_ipc" and cfg.placement.mode != "colocated":
+        raise NlaInputError("config", f"placement.adapter_route=cuda_ipc needs placement.mode=colocated (one shared GPU), "
+                            f"found {cfg.placement.mode}; use auto or host")
     low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
     if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
         raise NlaInputError("config", "critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates "

@@ -87,6 +87,9 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
         ray.get(pg.ready())
         rollouts = [RolloutActor.options(num_cpus=0, num_gpus=0.4, scheduling_strategy=at(pg, 0)).remote(cfg, spec, backend, "cuda")]
+        # vLLM sizes its share from the free memory it sees while profiling; a learner loading beside
+        # it at that moment makes the profile wrong (or fails it), so the others start once it is up
+        ray.get(rollouts[0].adapter_version.remote())
         learner = LearnerActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
         critic = CriticActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
         return Services(rollouts, learner, critic, pg, "cuda")

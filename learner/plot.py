@@ -15,7 +15,7 @@ PANELS = [
     ("clip fraction", ["clip_frac"]),
     ("rollout/learner mismatch", ["logprob_mismatch_k3", "logprob_mismatch_mean_abs"]),
     ("critic loss", ["critic_loss"]),
-    ("phase time (s)", ["time/rollout", "time/score", "time/update", "time/critic", "time/push"]),
+    ("phase time (s)", ["time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep"]),
 ]
 
 

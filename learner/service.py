@@ -253,12 +253,13 @@ class Learner:
 
         return jsonable(self.model.peft_config[name].to_dict())
 
-    def export_adapter(self, device: str = "cpu"):
+    def export_adapter(self, device: str = "cpu", route: str | None = None):
         """The policy adapter with PEFT's saved key names, its PEFT config and version.
 
         Tensors are snapshots (they share no storage with the trained weights): on the CPU by
-        default, as Ray's object store and other processes need; ``device="same"`` keeps them on
-        the learner's device for an engine in this process (no host round trip).
+        default; ``device="same"`` keeps them on the learner's device for an engine in this process.
+        ``route`` ("host" or "cuda_ipc", see ``shared.tensor_wire``) packs them into one buffer for
+        another process instead; the learner keeps the latest packed export alive for its receivers.
         """
         from peft import get_peft_model_state_dict
 
@@ -266,9 +267,15 @@ class Learner:
         from shared.types import AdapterUpdate
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
+        config = self._peft_config(POLICY)
+        if route is not None:
+            from shared.tensor_wire import pack_tensors
+
+            self._last_export = None  # the previous buffer may go now: every receiver has copied it
+            self._last_export = pack_tensors({k: v.detach() for k, v in state.items()}, route)
+            return AdapterUpdate(version=self.version, tensors=self._last_export, peft_config=config)
         copy = cpu_copy if device == "cpu" else (lambda t: t.detach().clone().contiguous())
-        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()},
-                             peft_config=self._peft_config(POLICY))
+        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()}, peft_config=config)
 
     def save(self, directory) -> Path:
         """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""

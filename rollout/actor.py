@@ -37,11 +37,21 @@ class RolloutService:
 
     def load_adapter(self, update: AdapterUpdate) -> int:
         """Returns the version now in use (lets the driver wait on the push)."""
-        self.engine.load_adapter(update)
+        from dataclasses import replace
+
+        from shared.tensor_wire import as_tensor_dict
+
+        self.engine.load_adapter(replace(update, tensors=as_tensor_dict(update.tensors, self.engine.device)))
         return self.engine.adapter_version
 
     def adapter_version(self) -> int:
         return self.engine.adapter_version
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
 
     def close(self) -> None:
         self.engine.close()

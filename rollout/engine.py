@@ -38,6 +38,14 @@ class RolloutEngine(ABC):
     def adapter_version(self) -> int:
         """Version of the adapter in use; 0 = no adapter."""
 
+    def sleep(self) -> None:
+        """Give the GPU memory back while the learner updates (engines that cannot: an error)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights back in place, KV cache re-allocated."""
+        raise NotImplementedError(f"{type(self).__name__} cannot sleep")
+
     def close(self) -> None:
         """Release the engine's resources (idempotent)."""
 

@@ -43,9 +43,9 @@ def jsonable_peft_config(peft_config: dict) -> dict:
     return {k: fix(v) for k, v in dict(peft_config).items()}
 
 
-def contiguous_tensors(tensors: dict) -> dict:
-    """CPU, contiguous copies as safetensors needs them."""
-    return {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+def contiguous_tensors(tensors: dict, device=None) -> dict:
+    """Contiguous tensors on ``device`` (default: where they are), as safetensors and vLLM need them."""
+    return {k: t.detach().to(device if device is not None else t.device).contiguous() for k, t in tensors.items()}
 
 
 def check_update(update: AdapterUpdate, current_version: int) -> None:
@@ -62,7 +62,7 @@ def write_adapter_dir(update: AdapterUpdate, directory: Path) -> Path:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    save_file(contiguous_tensors(update.tensors), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file(contiguous_tensors(update.tensors, "cpu"), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (directory / ADAPTER_CONFIG).write_text(json.dumps(jsonable_peft_config(update.peft_config)), encoding="utf-8")
     return directory
 
@@ -144,8 +144,8 @@ class MemoryTransport(AdapterTransport):
         # any path validation on the way happy
         path = self.root / adapter_name(update.version)
         path.mkdir(parents=True, exist_ok=True)
-        tensors = contiguous_tensors(update.tensors)
-        payload = tensors if self.direct else save({k: v.cpu() for k, v in tensors.items()})
+        # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots)
+        payload = contiguous_tensors(update.tensors) if self.direct else save(contiguous_tensors(update.tensors, "cpu"))
         config = jsonable_peft_config(update.peft_config)
         # per worker: where the push time went (unpack / build / add), for benchmarks and logs
         self.last_timings = self.llm.collective_rpc(

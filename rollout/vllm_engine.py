@@ -74,6 +74,8 @@ def engine_kwargs(cfg, device: str, dtype) -> dict:
             gpu_memory_utilization=ro.gpu_memory_utilization, max_num_seqs=ro.max_num_seqs,
             enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size,
         )
+        if ro.sleep_during_update:
+            kwargs["enable_sleep_mode"] = True
     return kwargs
 
 
@@ -102,8 +104,12 @@ class VllmEngine(RolloutEngine):
         cpu = not str(device).startswith("cuda")
         prepare_vllm_env(cpu=cpu)
         if cfg.rollout.weight_transport == "memory":
-            # the memory route sends a function to the workers; a multiprocess engine core only
-            # unpickles callables with this switch (in-process engines call it directly)
+            if cfg.rollout.tensor_parallel_size == 1:
+                # one worker: keep the engine core in this process, so a pushed adapter's tensors reach
+                # the worker as they are (GPU tensors stay on the GPU; no serialisation of 700 MB)
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            # otherwise the function travels to a separate engine core, which only unpickles
+            # callables with this switch
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
         from transformers import AutoTokenizer
@@ -172,6 +178,14 @@ class VllmEngine(RolloutEngine):
         check_update(update, self._version)
         self._lora_request = self.transport.push(update)
         self._version = update.version
+
+    def sleep(self) -> None:
+        # level 1 offloads the weights to host memory and drops the KV cache; level 2 would drop the
+        # weights, and with them the frozen base this engine cannot reload from the learner
+        self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        self.llm.wake_up()
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None

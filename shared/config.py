@@ -83,6 +83,8 @@ class RolloutConfig(_Section):
     """Adapter push route: in-memory tensors through the engine, or safetensors in a node-local temp dir."""
     max_loras: int = Field(2, ge=1, le=64)
     """Adapters an engine keeps registered; older versions are retired."""
+    sleep_during_update: bool = False
+    """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates."""
 
 
 class CriticConfig(_Section):
@@ -166,6 +168,8 @@ class PlacementConfig(_Section):
     """GPUs for the learner in split mode."""
     critic_own_gpu: bool = False
     """Split mode: the critic gets its own GPU instead of sharing the learner's."""
+    adapter_route: Literal["auto", "host", "cuda_ipc"] = "auto"
+    """How the learner's adapter reaches the rollout actors: auto = CUDA IPC when colocated, else host memory."""
 
 
 class LoggingConfig(_Section):

@@ -23,3 +23,13 @@ def run_cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "learner.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A private 2-CPU Ray for one test module (actors import the project and the tests' helpers)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}})
+    yield ray
+    ray.shutdown()

@@ -18,7 +18,8 @@ class FakeLearner:
     def __init__(self, skip_at=None):
         self.version, self.step, self.skip_at = 1, 0, skip_at
 
-    def export_adapter(self):
+    def export_adapter(self, route="host"):
+        assert route == "host"  # the cpu placement never asks for a CUDA IPC handle
         return AdapterUpdate(self.version, {}, {})
 
     def save(self, directory):
@@ -59,21 +60,15 @@ class FakeRollout:
         self.version = update.version
         return self.version
 
+    def adapter_version(self):
+        return self.version
+
     def generate(self, requests, seed, ignore_eos=False, inject=True):
         if self.calls == self.die_at_call:
             os._exit(1)  # the process dies as a crashed engine would
         self.calls += 1
         return [Sample(r.row_id, g, r.prompt_ids, r.site, [5, 6], [-1.0, -1.0], "<explanation>sea</explanation>",
                        "stop", self.version) for r in requests for g in range(self.group)]
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}})
-    yield ray
-    ray.shutdown()
 
 
 def _job(tiny_dir, steps):

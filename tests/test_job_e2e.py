@@ -104,6 +104,20 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     assert _comparable(_metrics(straight)) == _comparable(_metrics(killed))
 
 
+@pytest.mark.timeout(600)
+def test_wandb_offline_records_the_run(tiny_dir, tmp_path):
+    pytest.importorskip("wandb")
+    run = tmp_path / "wb"
+    _train(tiny_dir, run, "--steps", "2", "--set", "logging.wandb=offline", "--set", "logging.eval_every=0",
+           "--set", "checkpointing.every=0")
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, list(run.rglob("*"))
+    blob = files[0].read_bytes()  # wandb's record log stores keys and the config as plain protobuf strings
+    for key in (b"reward_mean", b"fve", b"time/push", b"prompts_per_step"):
+        assert key in blob, key
+    assert len(_metrics(run)) == 2
+
+
 @pytest.mark.timeout(120)
 def test_bad_config_or_data_stops_before_any_actor(tiny_dir, tmp_path):
     t = time.time()

