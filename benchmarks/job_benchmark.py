@@ -73,6 +73,13 @@ def main() -> int:
     ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when colocated")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
     args = ap.parse_args()
+    reference = None
+    if args.reference:
+        if not Path(args.reference).is_file():
+            ap.error(f"--reference {args.reference}: file not found")
+        reference = json.loads(Path(args.reference).read_text()).get("reference")
+        if not reference:
+            ap.error(f"--reference {args.reference}: no 'reference' entry (run step_benchmark.py without --skip-reference)")
 
     import yaml
 
@@ -98,18 +105,17 @@ def main() -> int:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm = rows[1:] or rows
     med = {k.removeprefix("time/"): statistics.median(r[k] for r in warm) for k in PHASES if k in rows[0]}
-    med["step"] = statistics.median(r["wall_s"] for r in warm)
+    # the step as the loop repeats it: the final checkpoint (and any eval) left out
+    med["step"] = statistics.median(r["wall_s"] - r["time/checkpoint"] - r["time/eval"] for r in warm)
     res = {
         "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
         "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
         "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
         "logprob_mismatch_k3": [r["logprob_mismatch_k3"] for r in rows],
     }
-    if args.reference:
-        ref = json.loads(Path(args.reference).read_text()).get("reference")
-        if ref:
-            res["reference"] = ref
-            res["speedup"] = ref["total"] / med["step"]
+    if reference:
+        res["reference"] = reference
+        res["speedup"] = reference["total"] / med["step"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 

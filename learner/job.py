@@ -33,6 +33,9 @@ def _check_combinations(cfg: RunConfig) -> None:
         raise NlaInputError("config", "model.load_in_4bit: the learner would score NF4 weights while vLLM samples the "
                             "bf16 ones (a systematic policy mismatch); use it with rollout.backend=hf only")
     on_gpu = cfg.placement.mode != "cpu"
+    if cfg.rollout.backend == "vllm" and on_gpu and cfg.model.dtype == "float32":
+        raise NlaInputError("config", "model.dtype=float32 with the vLLM rollout on GPUs: vLLM's GPU LoRA kernels take only "
+                            "bfloat16 / float16 (an assertion inside the first generate); use bfloat16")
     if cfg.rollout.sleep_during_update and (cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm"):
         raise NlaInputError("config", "rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm "
                             f"(found {cfg.placement.mode}, {cfg.rollout.backend}): only a GPU shared with the learner gains from it")

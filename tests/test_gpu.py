@@ -1,6 +1,5 @@
 """GPU-only checks (skipped without CUDA + vLLM): bf16 rollout/learner parity through every push route,
-CUDA IPC between processes, and the tiny job on Ray in colocated (with and without vLLM sleep) and
-split placement."""
+CUDA IPC between processes, and the tiny job on Ray in colocated (with vLLM sleep) and split placement."""
 import json
 import multiprocessing
 import pickle
@@ -83,8 +82,11 @@ def test_cuda_ipc_reaches_another_process(tiny_dir):
 
 
 def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
+    """The tiny demo on GPUs: bf16 (vLLM's GPU LoRA kernels refuse float32), so the critic trains a LoRA
+    (16-bit full fine-tuning is refused)."""
     args = ["train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, "--steps", str(steps),
             "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}",
+            "--set", "model.dtype=bfloat16", "--set", "critic.lora_r=8",
             "--set", "rollout.gpu_memory_utilization=0.1", "--set", "rollout.enforce_eager=true",
             "--set", "checkpointing.every=0"]
     for s in sets:
@@ -97,23 +99,18 @@ def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
     return rows
 
 
-def test_colocated_job_learns_on_one_gpu(tiny_dir, tmp_path):
-    """The tiny demo (float32) on one GPU through Ray: adapters cross by CUDA IPC, the policy learns."""
-    rows = _gpu_job(tiny_dir, tmp_path / "colocated", 150, "placement.mode=colocated", "logging.eval_every=75")
+def test_colocated_job_with_vllm_sleep_learns_on_one_gpu(tiny_dir, tmp_path):
+    """The tiny demo on one GPU through Ray: adapters cross by CUDA IPC, vLLM sleeps through every
+    update and wakes with the same weights, and the policy learns."""
+    rows = _gpu_job(tiny_dir, tmp_path / "colocated", 100, "placement.mode=colocated",
+                    "rollout.sleep_during_update=true", "logging.eval_every=50")
     first, last = rows[:25], rows[-25:]
     r0, r1 = np.mean([r["reward_mean"] for r in first]), np.mean([r["reward_mean"] for r in last])
     f0, f1 = np.mean([r["fve"] for r in first]), np.mean([r["fve"] for r in last])
     print(f"colocated: reward {r0:+.2f} -> {r1:+.2f}, fve {f0:+.2f} -> {f1:+.2f}")
-    assert r1 - r0 > 0.5 and f1 > f0 + 0.3, (r0, r1, f0, f1)
-    assert rows[-1]["adapter_version"] == 151
-    assert max(r["logprob_mismatch_k3"] for r in rows) < 1e-3
-
-
-def test_colocated_with_vllm_sleep_keeps_the_weights(tiny_dir, tmp_path):
-    rows = _gpu_job(tiny_dir, tmp_path / "sleep", 6, "placement.mode=colocated", "rollout.sleep_during_update=true",
-                    "logging.eval_every=3", "logging.eval_prompts=4")
-    assert all(r["time/sleep"] > 0 for r in rows) and rows[-1]["adapter_version"] == 7
-    assert max(r["logprob_mismatch_k3"] for r in rows) < 1e-3  # the woken engine samples from the same weights
+    assert r1 - r0 > 0.4 and f1 > f0 + 0.4, (r0, r1, f0, f1)
+    assert rows[-1]["adapter_version"] == 101 and all(r["time/sleep"] > 0 for r in rows)
+    assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3  # bf16 noise; a stale or lost adapter is far above
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -121,4 +118,4 @@ def test_split_job_on_two_gpus(tiny_dir, tmp_path):
     rows = _gpu_job(tiny_dir, tmp_path / "split", 20, "placement.mode=split", "placement.learner_gpus=1",
                     "logging.eval_every=10")
     assert rows[-1]["adapter_version"] == 21
-    assert max(r["logprob_mismatch_k3"] for r in rows) < 1e-3
+    assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3

@@ -87,6 +87,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"model": {"dtype": "bfloat16"}, "critic": {"train": True, "lora_r": 0}}, "critic.lora_r=0"),
     ({"placement": {"mode": "colocated"}, "critic": {"train": True}}, "critic.lora_r=0"),
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
+    ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout on GPUs"),
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
     ({"placement": {"mode": "split", "adapter_route": "cuda_ipc"}}, "adapter_route=cuda_ipc needs placement.mode=colocated"),
 ])
