@@ -12,6 +12,7 @@ update sees non-zero advantages, as in a real step.
 
     python benchmarks/job_benchmark.py --placement colocated --out benchmarks/h200-job-colocated.json
     python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
+    python benchmarks/job_benchmark.py --placement split --overlap --out benchmarks/h200x2-job-split-overlap.json
 
 ``--reference JSON`` (a ``step_benchmark.py`` result from the same machine) adds the ratio against
 its reference-style step.
@@ -47,7 +48,7 @@ def job_config(root: Path, args) -> dict:
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": "auto"},
-        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts},
+        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap},
         "placement": {"mode": args.placement, "learner_gpus": 1},
         "logging": {"eval_every": 0},
         "checkpointing": {"every": 0},
@@ -72,6 +73,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5, help="job steps (the first warms up)")
     ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when colocated")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
+    ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
     args = ap.parse_args()
     reference = None
     if args.reference:
@@ -90,9 +92,10 @@ def main() -> int:
         step_benchmark.DEVICE, shape = "cpu", step_benchmark.SMALL
         args.layers, args.critic_layers, args.lora_r, args.new_tokens = 4, 3, 8, 16
     root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0)
-    cfg_path = root / f"job-{args.placement}.yaml"
+    tag = args.placement + ("-overlap" if args.overlap else "")
+    cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
-    run_dir = root / f"run-{args.placement}-{time.strftime('%H%M%S')}"
+    run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"
     cmd = [sys.executable, "-m", "learner.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
     print("[job]", " ".join(cmd), flush=True)
     t = time.perf_counter()

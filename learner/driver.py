@@ -2,7 +2,9 @@
 
 Per step: batch → rollout → extract → score → reward → advantages → learner update → critic step →
 adapter push → log → eval → checkpoint. Services are Ray actors (``learner.placement``); the loop is
-the same in every placement mode.
+the same in every placement mode. With ``grpo.overlap_rollout`` the next step's rollout is launched
+right after the rewards and runs during the update (``learner.rollout_feed``); its remaining wait is
+counted in ``time/rollout``.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from learner.job import Job
 from learner.reward import explanation_for, rewards_for
+from learner.rollout_feed import RolloutFeed, rollout, step_seed
 from learner.run_dir import RunDir
 from shared.data import ShuffledOrder
 from shared.types import PromptRequest
@@ -34,20 +37,6 @@ def _requests(job: Job, rows, prompt_index, idx) -> list[PromptRequest]:
         ids, site = job.prompt_ids[int(prompt_index[i])]
         out.append(PromptRequest(int(rows.row_ids[i]), list(ids), site, torch.from_numpy(rows.activations[i].copy())))
     return out
-
-
-def _rollout(services, requests, seed: int) -> list:
-    """Round-robin over the engines; samples come back in request order."""
-    import ray
-
-    n = len(services.rollouts)
-    parts = [ray.get(ref) for ref in [eng.generate.remote(requests[k::n], seed) for k, eng in enumerate(services.rollouts)]]
-    g = len(parts[0]) // max(1, len(requests[0::n]))
-    ordered = [None] * len(requests)
-    for k, samples in enumerate(parts):
-        for j in range(len(requests[k::n])):
-            ordered[k + j * n] = samples[j * g : (j + 1) * g]
-    return [s for group in ordered for s in group]
 
 
 def _mean(xs):
@@ -116,7 +105,7 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     cfg = job.cfg
     idx = list(range(min(cfg.logging.eval_prompts, len(job.eval))))
     requests = _requests(job, job.eval, job.prompt_index_eval, idx)
-    samples = _rollout(services, requests, seed=cfg.seed * 7919 + 1_000_000 + step)
+    samples = rollout(services.rollouts, requests, seed=step_seed(cfg.seed, 1_000_000 + step))
     g = cfg.rollout.group_size
     vectors = torch.from_numpy(np.repeat(job.eval.activations[idx], g, axis=0))
     expl, mses, rewards = _score(services, job, samples, vectors)
@@ -140,8 +129,9 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     return out
 
 
-def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, version: int) -> Path:
-    """Critic first, then the policy, then the training state, into a temporary directory.
+def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: RolloutFeed, step: int, version: int) -> Path:
+    """Critic first, then the policy, then the training state (with any rollout in flight), into a
+    temporary directory.
 
     The caller commits it (renames it into place) only after the step's metrics are written, so a
     kill in between resumes from the previous checkpoint and redoes the step with its log line.
@@ -151,6 +141,7 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, step: int, ve
     tmp = run.checkpoint_tmp(step)
     ray.get(services.critic.save.remote(str(tmp / "critic")))
     ray.get(services.learner.save.remote(str(tmp / "policy")))
+    feed.save(tmp)
     state = {"step": step, "order": order.state(), "adapter_version": version}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     return tmp
@@ -165,6 +156,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
     cfg = job.cfg
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
+    overlap = cfg.grpo.overlap_rollout
     order = ShuffledOrder(len(job.train), seed=cfg.seed)
     start = 0
     if resume_from is not None:
@@ -174,6 +166,9 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         order = ShuffledOrder.from_state(state["order"])
         start = int(state["step"])
         log(f"[resume] from {resume_from} at step {start}")
+    feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)
+    if resume_from is not None:
+        feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
     run.truncate_logs(start)
     version = _push(services, adapter_route(cfg))
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
@@ -183,21 +178,19 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     try:
         for step in range(start, cfg.grpo.steps):
             t0 = time.time()
-            # ---- batch ----
-            phase = "batch"
-            idx = order.next_batch(P)
-            requests = _requests(job, job.train, job.prompt_index_train, idx)
-            vectors = torch.from_numpy(np.repeat(job.train.activations[idx], G, axis=0))
-            group_ids = torch.arange(P).repeat_interleave(G)
-
-            # ---- rollout ----
+            # ---- batch + rollout (already in flight when overlapping) ----
             phase = "rollout"
             t = time.time()
-            samples = _rollout(services, requests, seed=cfg.seed * 7919 + step)
-            stale = {s.adapter_version for s in samples} - {version}
+            if feed.pending is None:
+                feed.launch(step, version)
+            got = feed.collect(step)
+            samples, idx = got.samples, got.idx
+            stale = {s.adapter_version for s in samples} - {got.version}
             if stale:
-                raise StepError(f"samples came from adapter version(s) {sorted(stale)}, expected {version}: the weight push did not arrive")
+                raise StepError(f"samples came from adapter version(s) {sorted(stale)}, expected {got.version}: the weight push did not arrive")
             t_rollout = time.time() - t
+            vectors = torch.from_numpy(np.repeat(job.train.activations[idx], G, axis=0))
+            group_ids = torch.arange(P).repeat_interleave(G)
 
             # ---- extract, score, reward ----
             phase = "score"
@@ -207,6 +200,11 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- advantages ----
             adv = group_advantages(torch.tensor(rewards, dtype=torch.float32), group_ids, eps=cfg.grpo.adv_eps)
+
+            # ---- overlap: the next step's rollout starts now, on the adapter the engines hold ----
+            # (on the last step too: the final checkpoint keeps it, so `--resume --steps` more is exact)
+            if overlap:
+                feed.launch(step + 1, version)
 
             # ---- update (vLLM asleep meanwhile, when configured) ----
             phase = "update"
@@ -227,9 +225,12 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                     crit = ray.get(services.critic.train_step.remote([expl[i] for i in keep], vectors[keep]))
             t_critic = time.time() - t
 
-            # ---- push ----
+            # ---- push (after the overlapped rollout: its wait counts as rollout time) ----
             phase = "push"
             t_sleep += _wake_up(services, cfg)
+            t = time.time()
+            feed.wait()
+            t_rollout += time.time() - t
             t = time.time()
             if not upd.get("skipped"):
                 version = _push(services, adapter_route(cfg))
@@ -273,7 +274,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             every = cfg.checkpointing.every
             pending = None
             if (every and (step + 1) % every == 0) or step + 1 == cfg.grpo.steps:
-                pending = _write_checkpoint(services, run, order, step + 1, version)
+                pending = _write_checkpoint(services, run, order, feed, step + 1, version)
             row["time/checkpoint"] = time.time() - t
             row["wall_s"] = time.time() - t0
             row["elapsed_s"] = time.time() - t_run

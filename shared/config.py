@@ -159,6 +159,8 @@ class GrpoConfig(_Section):
     """Reward from the critic's normalised MSE."""
     adv_eps: float = Field(1e-6, gt=0.0, le=1.0)
     """Added to the per-prompt std in the advantage."""
+    overlap_rollout: bool = False
+    """Generate step k+1 (with adapter v_k, one step off-policy) while the learner updates on step k."""
 
 
 class PlacementConfig(_Section):

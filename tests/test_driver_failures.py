@@ -17,6 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 class FakeLearner:
     def __init__(self, skip_at=None):
         self.version, self.step, self.skip_at = 1, 0, skip_at
+        self.sampled_by = []  # adapter version of the samples each update got
+
+    def versions_seen(self):
+        return self.sampled_by
 
     def export_adapter(self, route="host"):
         assert route == "host"  # the cpu placement never asks for a CUDA IPC handle
@@ -26,6 +30,7 @@ class FakeLearner:
         os.makedirs(directory)
 
     def update(self, samples, advantages, vectors):
+        self.sampled_by.append(sorted({s.adapter_version for s in samples}))
         skipped = self.step == self.skip_at
         self.step += 1
         if not skipped:
@@ -71,9 +76,9 @@ class FakeRollout:
                        "stop", self.version) for r in requests for g in range(self.group)]
 
 
-def _job(tiny_dir, steps):
+def _job(tiny_dir, steps, overlap=False):
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
-                        "rollout": {"group_size": 2}, "grpo": {"steps": steps, "prompts_per_step": 4},
+                        "rollout": {"group_size": 2}, "grpo": {"steps": steps, "prompts_per_step": 4, "overlap_rollout": overlap},
                         "critic": {"train": True}, "logging": {"eval_every": 0}, "checkpointing": {"every": 0}}, "test")
     return prepare_job(absolute_paths(cfg, ROOT), log=lambda m: None)
 
@@ -109,3 +114,16 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
     assert ray_local.get(services.critic.trained_steps.remote()) == 3
     assert any(l.startswith("step 1: optimiser step skipped") for l in lines)
     assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
+
+
+@pytest.mark.parametrize("overlap,expected", [(False, [[1], [2], [3], [4]]), (True, [[1], [1], [2], [3]])])
+def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_local, tiny_dir, tmp_path, overlap, expected):
+    """With overlap, step k+1's samples come from v_k: launched before update k, served before push k."""
+    from learner.driver import train
+
+    job = _job(tiny_dir, steps=4, overlap=overlap)
+    run = RunDir.create(tmp_path / "run", job.cfg)
+    services = _services(ray_local, 2)
+    train(job, run, services, log=lambda m: None)
+    assert ray_local.get(services.learner.versions_seen.remote()) == expected
+    assert [r["adapter_version"] for r in run.read_metrics()] == [2, 3, 4, 5]

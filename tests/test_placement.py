@@ -97,10 +97,11 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
         run = RunDir.create(tmp_path / "run", cfg)
         last = train(job, run, s, log=lambda m: None)
         assert last["step"] == 2 and last["adapter_version"] == 4
-        from learner.driver import _requests, _rollout
+        from learner.driver import _requests
+        from learner.rollout_feed import rollout
 
         reqs = _requests(job, job.train, job.prompt_index_train, [4, 0, 3, 1, 2])
-        samples = _rollout(s, reqs, seed=0)
+        samples = rollout(s.rollouts, reqs, seed=0)
         assert [(x.row_id, x.group_index) for x in samples] == [(r.row_id, g) for r in reqs for g in range(2)]
     finally:
         stop_services(s)
