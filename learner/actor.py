@@ -23,8 +23,25 @@ class LearnerService:
         return self.learner.logprobs(samples, vectors, adapter)
 
     def export_adapter(self, route: str = "host"):
-        """One packed buffer (``shared.tensor_wire``): host memory, or a CUDA IPC handle on a shared GPU."""
+        """One packed buffer (``shared.tensor_wire``): host memory, a CUDA IPC handle on a shared GPU,
+        or (``collective``) only its table of contents, the bytes following in ``send_adapter``."""
         return self.learner.export_adapter(route=route)
+
+    def channel_address(self) -> tuple:
+        from shared.collective import channel_address
+
+        return channel_address()
+
+    def open_channel(self, host: str, port: int, world_size: int, backend: str) -> None:
+        from shared.collective import AdapterChannel
+
+        self.channel = AdapterChannel(host, port, 0, world_size, backend)
+
+    def send_adapter(self) -> None:
+        """Broadcast the latest ``collective`` export to every engine on the channel."""
+        from shared.tensor_wire import sender_buffer
+
+        self.channel.broadcast(sender_buffer(self.learner._last_export))
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))

@@ -93,10 +93,26 @@ def _push(services, route: str) -> int:
     import ray
 
     ref = services.learner.export_adapter.remote(route)
+    sent = services.learner.send_adapter.remote() if route == "collective" else None
     versions = ray.get([eng.load_adapter.remote(ref) for eng in services.rollouts])
+    if sent is not None:
+        ray.get(sent)
     if len(set(versions)) != 1:
         raise RuntimeError(f"engines report different adapter versions after a push: {versions}")
     return versions[0]
+
+
+def _open_channel(services, route: str) -> None:
+    """For the ``collective`` route: the learner (rank 0) and every engine join one broadcast group."""
+    import ray
+
+    if route != "collective":
+        return
+    host, port = ray.get(services.learner.channel_address.remote())
+    world = 1 + len(services.rollouts)
+    backend = "nccl" if services.device == "cuda" else "gloo"
+    ray.get([services.learner.open_channel.remote(host, port, world, backend)]
+            + [eng.open_channel.remote(host, port, i + 1, world, backend) for i, eng in enumerate(services.rollouts)])
 
 
 def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
@@ -170,6 +186,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     if resume_from is not None:
         feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
     run.truncate_logs(start)
+    _open_channel(services, adapter_route(cfg))
     version = _push(services, adapter_route(cfg))
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
     t_run = time.time()

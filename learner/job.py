@@ -42,6 +42,9 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update:
         raise NlaInputError("config", "grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep "
                             "through the rollout they are meant to overlap with the update; choose one")
+    if cfg.placement.adapter_route == "collective" and cfg.placement.mode == "colocated":
+        raise NlaInputError("config", "placement.adapter_route=collective with placement.mode=colocated: NCCL cannot join "
+                            "two ranks on one GPU; use auto (CUDA IPC) there")
     if cfg.placement.adapter_route == "cuda_ipc" and cfg.placement.mode != "colocated":
         raise NlaInputError("config", f"placement.adapter_route=cuda_ipc needs placement.mode=colocated (one shared GPU), "
                             f"found {cfg.placement.mode}; use auto or host")

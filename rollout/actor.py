@@ -31,6 +31,13 @@ class RolloutService:
 
     def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu"):
         self.engine = make_engine(cfg, spec, device, backend)
+        self.channel = None
+
+    def open_channel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        """Join the learner's adapter channel (``shared.collective``) as ``rank``."""
+        from shared.collective import AdapterChannel
+
+        self.channel = AdapterChannel(host, port, rank, world_size, backend)
 
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         return self.engine.generate(requests, seed, ignore_eos, inject)
@@ -41,7 +48,8 @@ class RolloutService:
 
         from shared.tensor_wire import as_tensor_dict
 
-        self.engine.load_adapter(replace(update, tensors=as_tensor_dict(update.tensors, self.engine.device)))
+        receive = self.channel.broadcast if self.channel is not None else None
+        self.engine.load_adapter(replace(update, tensors=as_tensor_dict(update.tensors, self.engine.device, receive)))
         return self.engine.adapter_version
 
     def adapter_version(self) -> int:

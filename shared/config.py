@@ -170,8 +170,8 @@ class PlacementConfig(_Section):
     """GPUs for the learner in split mode."""
     critic_own_gpu: bool = False
     """Split mode: the critic gets its own GPU instead of sharing the learner's."""
-    adapter_route: Literal["auto", "host", "cuda_ipc"] = "auto"
-    """How the learner's adapter reaches the rollout actors: auto = CUDA IPC when colocated, else host memory."""
+    adapter_route: Literal["auto", "host", "cuda_ipc", "collective"] = "auto"
+    """Adapter to the rollout actors: auto (CUDA IPC when colocated, else host), host memory, or a broadcast (NCCL/gloo)."""
 
 
 class LoggingConfig(_Section):

@@ -8,12 +8,14 @@ the push one copy on each side:
 - ``cuda_ipc``: the buffer stays on the sender's GPU and only a CUDA IPC handle travels (a few hundred
   bytes). Valid only between processes that see the same GPU (colocated placement). The sender must
   keep the buffer alive until every receiver has copied it (the learner keeps its latest export).
+- ``collective``: only the table of contents travels through Ray; the bytes follow in one broadcast
+  over a ``shared.collective.AdapterChannel`` (NCCL GPU to GPU in split placement).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROUTES = ("host", "cuda_ipc")
+ROUTES = ("host", "cuda_ipc", "collective")
 ALIGN = 64  # bytes: every tensor starts aligned, so a byte slice can be viewed as any dtype
 
 
@@ -23,7 +25,7 @@ class PackedTensors:
 
     route: str
     entries: list  # (name, dtype name, shape, byte offset, byte count), in the original order
-    payload: object  # host: numpy uint8 array; cuda_ipc: (rebuild function, args) from torch
+    payload: object  # host: numpy uint8 array; cuda_ipc: (rebuild function, args) from torch; collective: None
     nbytes: int
 
     def __len__(self) -> int:  # keeps ``if not update.tensors`` meaning "no tensors"
@@ -61,15 +63,29 @@ def pack_tensors(tensors: dict, route: str) -> PackedTensors:
         buf[offset : offset + nbytes].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
     if route == "host":
         return PackedTensors(route, entries, buf.cpu().numpy(), total)
-    from torch.multiprocessing.reductions import reduce_tensor
+    if route == "collective":
+        packed = PackedTensors(route, entries, None, total)
+    else:
+        from torch.multiprocessing.reductions import reduce_tensor
 
-    packed = PackedTensors(route, entries, reduce_tensor(buf), total)
+        packed = PackedTensors(route, entries, reduce_tensor(buf), total)
     packed._keepalive = buf
     return packed
 
 
-def unpack_tensors(packed: PackedTensors, device) -> dict:
-    """The tensors, on ``device``, in storage of their own (never the sender's or the object store's)."""
+def sender_buffer(packed: PackedTensors):
+    """The sender's own buffer behind a ``cuda_ipc`` or ``collective`` export (what a broadcast sends)."""
+    buf = getattr(packed, "_keepalive", None)
+    if buf is None:
+        raise ValueError("packed tensors: no sender buffer here (only the exporting process has it)")
+    return buf
+
+
+def unpack_tensors(packed: PackedTensors, device, receive=None) -> dict:
+    """The tensors, on ``device``, in storage of their own (never the sender's or the object store's).
+
+    ``receive(buf)`` fills a fresh buffer for the ``collective`` route (the channel's broadcast).
+    """
     import warnings
 
     import torch
@@ -79,6 +95,11 @@ def unpack_tensors(packed: PackedTensors, device) -> dict:
             warnings.simplefilter("ignore", UserWarning)
             src = torch.from_numpy(packed.payload)
         buf = src.to(device, copy=True)
+    elif packed.route == "collective":
+        if receive is None:
+            raise ValueError("packed tensors: the collective route needs a channel to receive on")
+        buf = torch.empty(packed.nbytes, dtype=torch.uint8, device=device)
+        receive(buf)
     elif packed.route == "cuda_ipc":
         rebuild, args = packed.payload
         shared = rebuild(*args)
@@ -94,6 +115,6 @@ def unpack_tensors(packed: PackedTensors, device) -> dict:
     return out
 
 
-def as_tensor_dict(tensors, device) -> dict:
+def as_tensor_dict(tensors, device, receive=None) -> dict:
     """``tensors`` as a plain dict on ``device``: unpacks a ``PackedTensors``, passes a dict through."""
-    return unpack_tensors(tensors, device) if isinstance(tensors, PackedTensors) else tensors
+    return unpack_tensors(tensors, device, receive) if isinstance(tensors, PackedTensors) else tensors

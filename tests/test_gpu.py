@@ -114,8 +114,10 @@ def test_colocated_job_with_vllm_sleep_learns_on_one_gpu(tiny_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_split_job_on_two_gpus(tiny_dir, tmp_path):
-    rows = _gpu_job(tiny_dir, tmp_path / "split", 20, "placement.mode=split", "placement.learner_gpus=1",
-                    "logging.eval_every=10")
+@pytest.mark.parametrize("route", ["host", "collective"])
+def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
+    """Rollout on one GPU, learner + critic on the other; the adapter through host memory or NCCL."""
+    rows = _gpu_job(tiny_dir, tmp_path / f"split-{route}", 20, "placement.mode=split", "placement.learner_gpus=1",
+                    f"placement.adapter_route={route}", "logging.eval_every=10")
     assert rows[-1]["adapter_version"] == 21
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3

@@ -4,7 +4,7 @@ import pickle
 import pytest
 import torch
 
-from shared.tensor_wire import ALIGN, PackedTensors, as_tensor_dict, pack_tensors, unpack_tensors
+from shared.tensor_wire import ALIGN, PackedTensors, as_tensor_dict, pack_tensors, sender_buffer, unpack_tensors
 
 
 def _tensors():
@@ -45,6 +45,20 @@ def test_as_tensor_dict_passes_plain_dicts_through():
     src = _tensors()
     assert as_tensor_dict(src, "cpu") is src
     assert torch.equal(as_tensor_dict(pack_tensors(src, "host"), "cpu")["a.lora_B.weight"], src["a.lora_B.weight"])
+
+
+def test_collective_route_sends_only_the_table_of_contents():
+    src = _tensors()
+    packed = pack_tensors(src, "collective")
+    wire = pickle.loads(pickle.dumps(packed))
+    assert wire.payload is None and not hasattr(wire, "_keepalive") and len(pickle.dumps(packed)) < 2000
+    sent = sender_buffer(packed)
+    out = unpack_tensors(wire, "cpu", receive=lambda buf: buf.copy_(sent))  # what the broadcast does
+    assert all(torch.equal(out[k], src[k]) for k in src)
+    with pytest.raises(ValueError, match="needs a channel"):
+        unpack_tensors(wire, "cpu")
+    with pytest.raises(ValueError, match="no sender buffer"):
+        sender_buffer(wire)
 
 
 def test_errors_are_one_line():
