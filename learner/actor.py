@@ -27,21 +27,30 @@ class LearnerService:
         or (``collective``) only its table of contents, the bytes following in ``send_adapter``."""
         return self.learner.export_adapter(route=route)
 
-    def channel_address(self) -> tuple:
-        from shared.collective import channel_address
-
-        return channel_address()
-
-    def open_channel(self, host: str, port: int, world_size: int, backend: str) -> None:
+    def serve_channel(self, world_size: int) -> tuple:
+        """Rank 0 of the adapter channel (``shared.collective``): returns (host, port) for the engines."""
         from shared.collective import AdapterChannel
 
-        self.channel = AdapterChannel(host, port, 0, world_size, backend)
+        self.channel = AdapterChannel()
+        return self.channel.serve(world_size)
 
-    def send_adapter(self) -> None:
-        """Broadcast the latest ``collective`` export to every engine on the channel."""
+    def join_channel(self, host: str, port: int, world_size: int, backend: str) -> None:
+        self.channel.join(host, port, 0, world_size, backend)
+
+    def send_adapter(self, export) -> None:
+        """Broadcast the ``collective`` export ``export`` (this actor's latest) to every engine.
+
+        Taking the export as an argument makes Ray skip this call when the export failed, so no
+        stale buffer is ever sent.
+        """
         from shared.tensor_wire import sender_buffer
 
-        self.channel.broadcast(sender_buffer(self.learner._last_export))
+        if export.version != self.learner.version:
+            raise RuntimeError(f"send_adapter: export v{export.version} is not the latest (v{self.learner.version})")
+        try:
+            self.channel.broadcast(sender_buffer(self.learner._last_export))
+        finally:
+            self.learner._last_export = None  # every engine has its copy now
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))

@@ -93,10 +93,12 @@ def _push(services, route: str) -> int:
     import ray
 
     ref = services.learner.export_adapter.remote(route)
-    sent = services.learner.send_adapter.remote() if route == "collective" else None
-    versions = ray.get([eng.load_adapter.remote(ref) for eng in services.rollouts])
-    if sent is not None:
-        ray.get(sent)
+    loads = [eng.load_adapter.remote(ref) for eng in services.rollouts]
+    waiting = loads + ([services.learner.send_adapter.remote(ref)] if route == "collective" else [])
+    while waiting:  # first failure raises at once (a broadcast partner may be left waiting on it)
+        done, waiting = ray.wait(waiting, num_returns=1)
+        ray.get(done)
+    versions = ray.get(loads)
     if len(set(versions)) != 1:
         raise RuntimeError(f"engines report different adapter versions after a push: {versions}")
     return versions[0]
@@ -108,11 +110,11 @@ def _open_channel(services, route: str) -> None:
 
     if route != "collective":
         return
-    host, port = ray.get(services.learner.channel_address.remote())
     world = 1 + len(services.rollouts)
     backend = "nccl" if services.device == "cuda" else "gloo"
-    ray.get([services.learner.open_channel.remote(host, port, world, backend)]
-            + [eng.open_channel.remote(host, port, i + 1, world, backend) for i, eng in enumerate(services.rollouts)])
+    host, port = ray.get(services.learner.serve_channel.remote(world))
+    ray.get([services.learner.join_channel.remote(host, port, world, backend)]
+            + [eng.join_channel.remote(host, port, i + 1, world, backend) for i, eng in enumerate(services.rollouts)])
 
 
 def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
@@ -246,7 +248,9 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             phase = "push"
             t_sleep += _wake_up(services, cfg)
             t = time.time()
+            phase = "rollout" if feed.pending is not None else "push"
             feed.wait()
+            phase = "push"
             t_rollout += time.time() - t
             t = time.time()
             if not upd.get("skipped"):

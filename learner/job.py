@@ -39,6 +39,10 @@ def _check_combinations(cfg: RunConfig) -> None:
     if cfg.rollout.sleep_during_update and (cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm"):
         raise NlaInputError("config", "rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm "
                             f"(found {cfg.placement.mode}, {cfg.rollout.backend}): only a GPU shared with the learner gains from it")
+    if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
+        raise NlaInputError("config", "grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old "
+                            "logprobs with the current adapter and would drop the one-step staleness from the ratio; "
+                            "use ppo_epochs=1")
     if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update:
         raise NlaInputError("config", "grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep "
                             "through the rollout they are meant to overlap with the update; choose one")

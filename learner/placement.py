@@ -28,7 +28,8 @@ def start_ray() -> None:
         return
     path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
-        include_dashboard=False, log_to_driver=True,
+        # "local": always a private cluster; a bare init() would join any `ray start` cluster on this host
+        address="local", include_dashboard=False, log_to_driver=True,
         runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                  "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}},
     )

@@ -69,11 +69,9 @@ class RolloutFeed:
         self.pending = Launched(step, idx, version, refs, counts)
 
     def wait(self) -> None:
-        """Block until the launched rollout is done (its samples stay in Ray until collected)."""
-        import ray
-
-        if self.pending is not None and self.pending.refs is not None:
-            ray.wait(self.pending.refs, num_returns=len(self.pending.refs))
+        """Block until the launched rollout is done and fetch it (a failed rollout raises here)."""
+        if self.pending is not None and self.pending.samples is None:
+            self.pending.samples, self.pending.refs = gather(self.pending.refs, self.pending.counts), None
 
     def collect(self, step: int) -> Launched:
         """The rollout launched for ``step``, with its samples."""

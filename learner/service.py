@@ -240,7 +240,9 @@ class Learner:
         masked = sum(1 for k in keep if not k)
         if masked:
             warnings.warn(f"learner: {masked}/{len(items)} samples masked (rollout/learner logprob k3 > "
-                          f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed", RuntimeWarning)
+                          f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed"
+                          + (", or one step moved the policy that far (grpo.overlap_rollout samples one step behind)"
+                             if self.cfg.grpo.overlap_rollout else ""), RuntimeWarning)
         return {
             "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
             "logprob_mismatch_mean_abs": sum(mm_abs) / len(mm_abs), "logprob_mismatch_k3": sum(mm_k3) / len(mm_k3),
@@ -272,8 +274,11 @@ class Learner:
             from shared.tensor_wire import pack_tensors
 
             self._last_export = None  # the previous buffer may go now: every receiver has copied it
-            self._last_export = pack_tensors({k: v.detach() for k, v in state.items()}, route)
-            return AdapterUpdate(version=self.version, tensors=self._last_export, peft_config=config)
+            packed = pack_tensors({k: v.detach() for k, v in state.items()}, route)
+            # the sender's buffer must outlive the receivers' copies for cuda_ipc / collective only
+            # (a cuda_ipc handle is rebuilt by one receiver: colocated placement has one engine)
+            self._last_export = packed if route != "host" else None
+            return AdapterUpdate(version=self.version, tensors=packed, peft_config=config)
         copy = cpu_copy if device == "cpu" else (lambda t: t.detach().clone().contiguous())
         return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()}, peft_config=config)
 

@@ -33,11 +33,12 @@ class RolloutService:
         self.engine = make_engine(cfg, spec, device, backend)
         self.channel = None
 
-    def open_channel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+    def join_channel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         """Join the learner's adapter channel (``shared.collective``) as ``rank``."""
         from shared.collective import AdapterChannel
 
-        self.channel = AdapterChannel(host, port, rank, world_size, backend)
+        self.channel = AdapterChannel()
+        self.channel.join(host, port, rank, world_size, backend)
 
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         return self.engine.generate(requests, seed, ignore_eos, inject)

@@ -13,39 +13,53 @@ import datetime
 BACKENDS = ("nccl", "gloo")
 
 
-def channel_address() -> tuple[str, int]:
-    """This node's address and a free TCP port on it, for rank 0 to listen on."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
-
-
 class AdapterChannel:
-    """One member of the channel; every member calls ``broadcast`` for each transfer."""
+    """One member of the channel; every member calls ``broadcast`` for each transfer.
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
+    Rank 0 first calls ``serve`` (a store on a free port of its node; returns where it listens), then
+    every member, rank 0 included, calls ``join`` at the same time (the group's rendezvous).
+    """
+
+    def __init__(self, timeout_s: float = 600.0):
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = None
+        self.group = None
+
+    def serve(self, world_size: int) -> tuple[str, int]:
+        import ray
+        import torch.distributed as dist
+
+        host = ray.util.get_node_ip_address()
+        # port 0: the OS picks a free port while the store binds it (no window for another process)
+        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False)
+        return host, self.store.port
+
+    def join(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
         import torch.distributed as dist
 
         if backend not in BACKENDS:
             raise ValueError(f"adapter channel backend: expected one of {BACKENDS}, found {backend!r}")
-        timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout)
+        if rank == 0:
+            if self.store is None:
+                raise RuntimeError("adapter channel: rank 0 must serve() before join()")
+            store = self.store
+        else:
+            store = dist.TCPStore(host, port, world_size, is_master=False, timeout=self.timeout)
         store = dist.PrefixStore("nla-adapter", store)
         if backend == "gloo":
-            self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
         else:
-            self.group = dist.ProcessGroupNCCL(store, rank, world_size)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self.timeout  # a member that died must not hold the others for NCCL's default
+            self.group = dist.ProcessGroupNCCL(store, rank, world_size, opts)
         self.rank, self.world_size, self.backend = rank, world_size, backend
 
     def broadcast(self, buf) -> None:
         """Rank 0's ``buf`` into every other member's ``buf`` (same size and dtype), in place."""
         import torch.distributed as dist
 
+        if self.group is None:
+            raise RuntimeError("adapter channel: join() first")
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self.group.broadcast([buf], opts).wait()

@@ -89,6 +89,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
     ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout on GPUs"),
     ({"placement": {"mode": "colocated", "adapter_route": "collective"}}, "NCCL cannot join two ranks on one GPU"),
+    ({"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}}, "learner.ppo_epochs > 1"),
     ({"grpo": {"overlap_rollout": True}, "rollout": {"sleep_during_update": True}, "placement": {"mode": "colocated"}},
      "grpo.overlap_rollout with rollout.sleep_during_update"),
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
