@@ -169,7 +169,7 @@ def main() -> int:
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": "auto"},
         "grpo": {"prompts_per_step": args.prompts},
-        "placement": {"mode": "colocated"},
+        "placement": {"mode": "colocated" if DEVICE == "cuda" else "cpu"},
         "logging": {"eval_every": 0},
     }, "benchmark")
     job = prepare_job(cfg, log=lambda m: print(m, flush=True))
