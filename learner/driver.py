@@ -55,24 +55,12 @@ def _score(services, job: Job, samples, vectors):
     return expl, mses, rewards
 
 
-def _sleep(services, cfg) -> float:
-    """Put the engines to sleep for the update (``rollout.sleep_during_update``); returns seconds spent."""
+def _on_engines(services, method: str) -> float:
+    """Call ``method`` (``sleep`` / ``wake_up``) on every engine and wait; returns seconds spent."""
     import ray
 
-    if not cfg.rollout.sleep_during_update:
-        return 0.0
     t = time.time()
-    ray.get([eng.sleep.remote() for eng in services.rollouts])
-    return time.time() - t
-
-
-def _wake_up(services, cfg) -> float:
-    import ray
-
-    if not cfg.rollout.sleep_during_update:
-        return 0.0
-    t = time.time()
-    ray.get([eng.wake_up.remote() for eng in services.rollouts])
+    ray.get([getattr(eng, method).remote() for eng in services.rollouts])
     return time.time() - t
 
 
@@ -174,7 +162,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
     cfg = job.cfg
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
-    overlap = cfg.grpo.overlap_rollout
+    overlap, sleep, route = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update, adapter_route(cfg)
     order = ShuffledOrder(len(job.train), seed=cfg.seed)
     start = 0
     if resume_from is not None:
@@ -188,8 +176,8 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     if resume_from is not None:
         feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
     run.truncate_logs(start)
-    _open_channel(services, adapter_route(cfg))
-    version = _push(services, adapter_route(cfg))
+    _open_channel(services, route)
+    version = _push(services, route)
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
     t_run = time.time()
     last: dict = {}
@@ -227,7 +215,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- update (vLLM asleep meanwhile, when configured) ----
             phase = "update"
-            t_sleep = _sleep(services, cfg)
+            t_sleep = _on_engines(services, "sleep") if sleep else 0.0
             t = time.time()
             upd = ray.get(services.learner.update.remote(samples, adv.tolist(), vectors))
             t_update = time.time() - t
@@ -244,17 +232,16 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                     crit = ray.get(services.critic.train_step.remote([expl[i] for i in keep], vectors[keep]))
             t_critic = time.time() - t
 
-            # ---- push (after the overlapped rollout: its wait counts as rollout time) ----
-            phase = "push"
-            t_sleep += _wake_up(services, cfg)
+            # ---- push (after the overlapped rollout, whose remaining wait counts as rollout time) ----
+            phase = "rollout"
             t = time.time()
-            phase = "rollout" if feed.pending is not None else "push"
             feed.wait()
-            phase = "push"
             t_rollout += time.time() - t
+            phase = "push"
+            t_sleep += _on_engines(services, "wake_up") if sleep else 0.0
             t = time.time()
             if not upd.get("skipped"):
-                version = _push(services, adapter_route(cfg))
+                version = _push(services, route)
             t_push = time.time() - t
 
             # ---- log ----

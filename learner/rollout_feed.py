@@ -75,11 +75,10 @@ class RolloutFeed:
 
     def collect(self, step: int) -> Launched:
         """The rollout launched for ``step``, with its samples."""
-        got, self.pending = self.pending, None
-        if got is None or got.step != step:
+        if self.pending is None or self.pending.step != step:
             raise RuntimeError(f"no rollout was launched for step {step}")
-        if got.samples is None:
-            got.samples, got.refs = gather(got.refs, got.counts), None
+        self.wait()
+        got, self.pending = self.pending, None
         return got
 
     # ---- checkpointing ----
@@ -87,8 +86,7 @@ class RolloutFeed:
         """Write the in-flight rollout (waiting for it) so a resume uses the very same samples."""
         if self.pending is None:
             return
-        if self.pending.samples is None:
-            self.pending.samples, self.pending.refs = gather(self.pending.refs, self.pending.counts), None
+        self.wait()
         p = self.pending
         record = {"step": p.step, "idx": p.idx, "version": p.version, "samples": [asdict(s) for s in p.samples]}
         (Path(directory) / PENDING_FILE).write_text(json.dumps(record))
