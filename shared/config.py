@@ -171,7 +171,7 @@ class PlacementConfig(_Section):
     critic_own_gpu: bool = False
     """Split mode: the critic gets its own GPU instead of sharing the learner's."""
     adapter_route: Literal["auto", "host", "cuda_ipc", "collective"] = "auto"
-    """Adapter to the rollout actors: auto (CUDA IPC when colocated, else host), host memory, or a broadcast (NCCL/gloo)."""
+    """Adapter to the rollout actors: auto (CUDA IPC when colocated, NCCL broadcast when split, host on cpu), host memory, cuda_ipc, or collective (NCCL/gloo broadcast)."""
 
 
 class LoggingConfig(_Section):

@@ -103,3 +103,16 @@ def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
            "data": {"parquet": str(tiny_dir / "rl.parquet")}}
     with pytest.raises(NlaInputError, match=needle):
         prepare_job(build_config(raw, "t"), log=lambda m: None)
+
+
+@pytest.mark.parametrize("mode,route,resolved", [
+    ("cpu", "auto", "host"), ("colocated", "auto", "cuda_ipc"), ("split", "auto", "collective"),
+    ("split", "host", "host"), ("cpu", "collective", "collective"),
+])
+def test_auto_adapter_route_follows_placement(tiny_dir, mode, route, resolved):
+    from learner.driver import adapter_route
+    from shared.config import build_config
+
+    raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+           "placement": {"mode": mode, "adapter_route": route}}
+    assert adapter_route(build_config(raw, "t")) == resolved
