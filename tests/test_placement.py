@@ -84,7 +84,8 @@ def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):
 def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir, tmp_path):
     from learner.driver import train
 
-    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True}, num_engines=2)
+    # logical GPUs without CUDA: the push goes through host memory (NCCL, split's default, needs real GPUs)
+    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True, "adapter_route": "host"}, num_engines=2)
     assert gpu_count_needed(cfg) == 4
     s = start_services(cfg, None, _classes(ray_gpus))
     try:

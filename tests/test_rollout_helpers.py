@@ -122,14 +122,15 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     assert all(torch.equal(got[k], update.tensors[k]) for k in got)
 
 
-def test_vllm_rank_and_karvonen_guard(tiny_dir):
-    from rollout.vllm_engine import VllmEngine, max_lora_rank_for
+def test_vllm_rank_and_karvonen_runs_eager(tiny_dir):
+    from rollout.vllm_engine import engine_kwargs, max_lora_rank_for
     from shared.config import build_config
 
     assert [max_lora_rank_for(r) for r in (1, 2, 8, 9, 128, 200)] == [1, 8, 8, 16, 128, 256]
     with pytest.raises(NlaInputError, match="lora_r"):
         max_lora_rank_for(1024)
-    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "injection": {"mode": "karvonen"}})
-    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    with pytest.raises(NlaInputError, match="injection.mode"):
-        VllmEngine(cfg, spec)
+    model = {"path": str(tiny_dir / "model")}
+    # the karvonen hooks are Python: no torch.compile and no CUDA graphs on the GPU, whatever the config says
+    for mode, eager in (("embed", False), ("karvonen", True)):
+        cfg = build_config({"model": model, "injection": {"mode": mode}, "rollout": {"enforce_eager": False}})
+        assert engine_kwargs(cfg, "cuda", torch.bfloat16)["enforce_eager"] is eager
