@@ -13,6 +13,7 @@ update sees non-zero advantages, as in a real step.
     python benchmarks/job_benchmark.py --placement colocated --out benchmarks/h200-job-colocated.json
     python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
     python benchmarks/job_benchmark.py --placement split --overlap --route collective --out benchmarks/h200x2-job-split-overlap.json
+    python benchmarks/job_benchmark.py --placement colocated --injection karvonen --out benchmarks/h200-job-colocated-karvonen.json
 
 ``--reference JSON`` (a ``step_benchmark.py`` result from the same machine) adds the ratio against
 its reference-style step.
@@ -52,6 +53,7 @@ def job_config(root: Path, args) -> dict:
                     "lr": 1e-6, "optimizer": "auto"},
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap},
         "placement": {"mode": args.placement, "learner_gpus": 1, "adapter_route": args.route},
+        "injection": {"mode": args.injection},
         "logging": {"eval_every": 0},
         "checkpointing": {"every": 0},
     }
@@ -68,6 +70,8 @@ def main() -> int:
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
     ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "collective"], default="auto",
                     help="placement.adapter_route (collective: NCCL broadcast, split only)")
+    ap.add_argument("--injection", choices=["embed", "karvonen"], default="embed",
+                    help="injection.mode (karvonen: vLLM runs eager, without CUDA graphs)")
     args = ap.parse_args()
     reference = None
     if args.reference:
@@ -84,7 +88,8 @@ def main() -> int:
         step_benchmark.DEVICE, shape = "cpu", step_benchmark.SMALL
         args.layers, args.critic_layers, args.lora_r, args.new_tokens = 4, 3, 8, 16
     root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0)
-    tag = args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
+    tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
+           + ("" if args.injection == "embed" else f"-{args.injection}"))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"
