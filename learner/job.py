@@ -75,7 +75,7 @@ class Job:
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
-    from shared.check import load_tokenizer, model_hidden_size
+    from shared.check import load_tokenizer, model_config_field, model_hidden_size
     from shared.data import read_rows, split_eval
     from shared.prompts import as_ids, find_marker_site, render_av_ids
     from shared.schema import fve_baselines
@@ -89,6 +89,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     hidden = model_hidden_size(model_dir)
     if hidden is not None and hidden != spec.d_model:
         raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")
+    blocks = model_config_field(model_dir, "num_hidden_layers")
+    if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks:
+        raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 1} ({model_dir} has {blocks} "
+                            f"decoder blocks), found {cfg.injection.karvonen_layer}")
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:

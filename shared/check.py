@@ -18,12 +18,17 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(p))
 
 
-def model_hidden_size(model_dir: str | Path) -> int | None:
+def model_config_field(model_dir: str | Path, key: str) -> int | None:
+    """An integer field of the model's config.json (top level or its text_config); None when absent."""
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         return None
     raw = json.loads(cfg.read_text())
-    return raw.get("hidden_size") or (raw.get("text_config") or {}).get("hidden_size")
+    return raw.get(key) or (raw.get("text_config") or {}).get(key)
+
+
+def model_hidden_size(model_dir: str | Path) -> int | None:
+    return model_config_field(model_dir, "hidden_size")
 
 
 def resolve_model_dir(spec, model_dir: str | None) -> Path:

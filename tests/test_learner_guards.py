@@ -94,6 +94,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
      "grpo.overlap_rollout with rollout.sleep_during_update"),
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
     ({"placement": {"mode": "split", "adapter_route": "cuda_ipc"}}, "adapter_route=cuda_ipc needs placement.mode=colocated"),
+    ({"injection": {"mode": "karvonen", "karvonen_layer": 2}}, r"injection.karvonen_layer: expected 0\.\.1 \(.* has 2 decoder blocks\)"),
 ])
 def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
     from learner.job import prepare_job
