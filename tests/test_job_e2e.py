@@ -136,12 +136,15 @@ def test_overlap_resume_is_exact(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_collective_push_gives_the_same_run(tiny_dir, tmp_path):
-    """The adapter broadcast over a gloo channel (NCCL on GPUs) lands the same weights as host memory."""
+def test_two_engines_and_collective_push_give_the_same_run(tiny_dir, tmp_path):
+    """Two real vLLM engines fed round-robin, the adapter broadcast to both over a gloo channel (NCCL
+    on GPUs): the same run, to the bit, as one engine fed through host memory. A sample depends on
+    (seed, row) and the weights, not on which engine drew it."""
     common = ["--steps", "3", "--set", "logging.eval_every=0", "--set", "checkpointing.every=0"]
     host, coll = tmp_path / "host", tmp_path / "collective"
     _train(tiny_dir, host, *common)
-    _train(tiny_dir, coll, *common, "--set", "placement.adapter_route=collective")
+    res = _train(tiny_dir, coll, *common, "--set", "placement.adapter_route=collective", "--set", "rollout.num_engines=2")
+    assert "adapter v1 on 2 engine(s)" in res.stdout + res.stderr
     assert _comparable(_metrics(host)) == _comparable(_metrics(coll))
     assert max(r["logprob_mismatch_k3"] for r in _metrics(coll)) < 1e-4  # the engines sample the pushed weights
     a, b = _adapter(host, 3), _adapter(coll, 3)
