@@ -95,7 +95,9 @@ class CriticService:
             # an AR checkpoint's own depth is used unless the config pins one
             self._check_same_structure(saved, meta, Path(c.checkpoint) / META_NAME,
                                        explicit_layers=c.num_layers is not None)
-            meta = replace(meta, num_layers=saved.num_layers)
+            # the LoRA's modules are the checkpoint's (an imported AR may carry fewer than all seven)
+            meta = replace(meta, num_layers=saved.num_layers,
+                           target_modules=list(saved.target_modules) if saved.lora_r > 0 else meta.target_modules)
         return meta
 
     @staticmethod
@@ -104,6 +106,8 @@ class CriticService:
             if key == "num_layers" and not explicit_layers:
                 continue
             if key in ("lora_alpha", "use_rslora", "target_modules") and want.lora_r == 0 and saved.lora_r == 0:
+                continue
+            if key == "target_modules":  # no config field: the checkpoint's own are used
                 continue
             a, b = getattr(saved, key), getattr(want, key)
             if a != b:

@@ -27,6 +27,14 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--model", help="model/tokenizer directory (default: the sidecar's base_model when local)")
     dc.add_argument("--eval-fraction", type=float, default=0.1)
 
+    cr = sub.add_parser("critic", help="AR checkpoints")
+    csub = cr.add_subparsers(dest="critic_cmd", required=True)
+    ci = csub.add_parser("import-reference", help="convert the reference trainer's AR-LoRA directory "
+                         "(ar_meta.json + ar_lora_value_head.safetensors) into a critic.checkpoint directory")
+    ci.add_argument("ar_dir")
+    ci.add_argument("out_dir")
+    ci.add_argument("--model", required=True, help="the base model directory the AR-LoRA sits on")
+
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
     pl.add_argument("run_dir")
     return p
@@ -123,6 +131,14 @@ def main(argv=None) -> int:
             return 0
         if args.cmd == "train":
             return _train(args)
+        if args.cmd == "critic" and args.critic_cmd == "import-reference":
+            from critic.import_reference import import_reference_ar
+
+            meta = import_reference_ar(args.ar_dir, args.out_dir, args.model)
+            print(f"wrote {args.out_dir}: {meta.num_layers} blocks, LoRA r={meta.lora_r} alpha={meta.lora_alpha} on "
+                  f"{','.join(meta.target_modules)}; use it with critic.checkpoint={args.out_dir} "
+                  f"critic.lora_r={meta.lora_r} critic.lora_alpha={meta.lora_alpha}")
+            return 0
         if args.cmd == "plot":
             from learner.plot import write_plots
 

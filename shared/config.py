@@ -90,7 +90,8 @@ class RolloutConfig(_Section):
 
 class CriticConfig(_Section):
     checkpoint: Optional[str] = None
-    """AR checkpoint directory (LoRA tensors + value head + meta); None = init from the base model."""
+    """AR checkpoint directory (LoRA tensors + value head + meta; `nla-grpo critic import-reference`
+    converts the reference trainer's AR-LoRA); None = init from the base model."""
     num_layers: Optional[int] = Field(None, ge=1, le=1024)
     """Decoder blocks kept; None = layer_index + 1 from the sidecar."""
     train: bool = False

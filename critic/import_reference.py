@@ -1,0 +1,128 @@
+"""AR-LoRA directories of the single-process reference trainer -> this project's critic checkpoint.
+
+The reference trainer keeps its AR as ``ar_meta.json`` (``ar_num_layers``, ``lora_r``,
+``lora_alpha``, ``target_modules``, optionally ``quant`` and ``final_norm_stripped``) and
+``ar_lora_value_head.safetensors``: the LoRA tensors of its truncated backbone (rsLoRA, as PEFT's
+``inject_adapter_in_model`` names them under ``backbone.``, with or without the causal LM's
+``model.`` level) and ``value_head.weight`` (no bias). Its prediction is the one this critic makes:
+``value_head(normalize(h_last, mse_scale))`` after the last kept block, final norm removed.
+
+``import_reference_ar`` maps every tensor onto the critic built from the meta (on the meta device:
+no base weights are read), checks names and shapes strictly, and writes a checkpoint directory that
+``critic.checkpoint`` accepts. Settings this critic cannot reproduce (a 4-bit backbone, a kept final
+norm) stop with one line instead of a silently different reward model.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from critic.checkpoint import CriticMeta, _load_tensors, _save_tensors, _write_atomic
+from critic.model import base_config
+from shared.errors import NlaInputError
+
+REFERENCE_META = "ar_meta.json"
+REFERENCE_WEIGHTS = "ar_lora_value_head.safetensors"
+
+
+def _read_reference_meta(path: Path) -> dict:
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NlaInputError(path, "file not found (expected the reference trainer's AR-LoRA directory)") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NlaInputError(path, "not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise NlaInputError(path, "expected a JSON object")
+    for key in ("ar_num_layers", "lora_r", "lora_alpha"):
+        if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool) or raw[key] < 1:
+            raise NlaInputError(path, f"{key}: expected a positive integer, found {raw.get(key)!r}")
+    targets = raw.get("target_modules")
+    targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        raise NlaInputError(path, f"target_modules: expected a list of module names, found {raw.get('target_modules')!r}")
+    if raw.get("quant") == "4bit":
+        raise NlaInputError(path, "quant: 4bit: this LoRA was trained on an NF4 backbone and compensates its rounding; "
+                                  "this critic runs the base in bf16/fp32, so its rewards would silently differ")
+    if raw.get("final_norm_stripped", False) is not True:
+        raise NlaInputError(path, "final_norm_stripped: expected true; this AR was trained with the final RMSNorm kept, "
+                                  "and this critic reads the residual stream without it")
+    return {**raw, "target_modules": targets}
+
+
+def _our_name(key: str) -> str | None:
+    """The critic's parameter name for a reference tensor name; None when it has no counterpart."""
+    if key in ("value_head.weight", "value_head.bias"):
+        return key
+    m = re.fullmatch(r"backbone\.(?:model\.)?(layers\..+\.lora_[AB])(?:\.default)?\.weight", key)
+    return f"backbone.{m.group(1)}.default.weight" if m else None
+
+
+def _critic_shapes(model_dir: Path, meta: dict) -> dict[str, torch.Size]:
+    """Names and shapes of the trainable tensors of the critic the meta describes (meta device)."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModel
+
+    from critic.model import _truncated_config
+
+    config = base_config(model_dir)
+    total = int(config.num_hidden_layers)
+    if meta["ar_num_layers"] > total:
+        raise NlaInputError(model_dir, f"ar_num_layers {meta['ar_num_layers']}: the base model has only {total} blocks")
+    config = _truncated_config(config, meta["ar_num_layers"])
+    with torch.device("meta"):
+        backbone = AutoModel.from_config(config)
+        inject_adapter_in_model(LoraConfig(r=meta["lora_r"], lora_alpha=meta["lora_alpha"], lora_dropout=0.0,
+                                           bias="none", use_rslora=True, target_modules=meta["target_modules"]), backbone)
+    d = int(config.hidden_size)
+    shapes = {f"backbone.{n}": p.shape for n, p in backbone.named_parameters() if "lora_" in n}
+    shapes.update({"value_head.weight": torch.Size([d, d]), "value_head.bias": torch.Size([d])})
+    return shapes
+
+
+def import_reference_ar(ar_dir: str | Path, out_dir: str | Path, model_dir: str | Path) -> CriticMeta:
+    """Convert; ``out_dir`` appears only when complete. Returns the written meta."""
+    from critic.checkpoint import META_NAME, WEIGHTS_NAME
+
+    ar_dir, out_dir, model_dir = Path(ar_dir), Path(out_dir), Path(model_dir)
+    if out_dir.exists():
+        raise NlaInputError(out_dir, "already exists (choose a new directory)")
+    meta = _read_reference_meta(ar_dir / REFERENCE_META)
+    weights_path = ar_dir / REFERENCE_WEIGHTS
+    tensors = _load_tensors(weights_path)
+    shapes = _critic_shapes(model_dir, meta)
+    if "value_head.weight" not in tensors:
+        raise NlaInputError(weights_path, "value_head.weight: missing (not an AR-LoRA file?)")
+    ours: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        name = _our_name(key)
+        if name is None or name not in shapes:
+            raise NlaInputError(weights_path, f"unexpected tensor {key!r} (no LoRA or value-head parameter of a "
+                                              f"{meta['ar_num_layers']}-block critic on {meta['target_modules']})")
+        if tuple(value.shape) != tuple(shapes[name]):
+            raise NlaInputError(weights_path, f"tensor {key!r}: expected shape {tuple(shapes[name])}, found {tuple(value.shape)}")
+        ours[name] = value.float()  # LoRA and head live in fp32 in this critic
+    ours.setdefault("value_head.bias", torch.zeros(shapes["value_head.bias"]))  # the reference head has none
+    missing = [n for n in shapes if n not in ours]
+    if missing:
+        raise NlaInputError(weights_path, f"missing tensor for {missing[0]!r} ({len(missing)} of {len(shapes)} missing)")
+
+    result = CriticMeta(num_layers=meta["ar_num_layers"], d_model=shapes["value_head.bias"][0], lora_r=meta["lora_r"],
+                        lora_alpha=meta["lora_alpha"], use_rslora=True, target_modules=list(meta["target_modules"]),
+                        base_model=str(model_dir), dtype="float32")
+    tmp = out_dir.with_name(out_dir.name + ".importing")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        _save_tensors(ours, tmp / WEIGHTS_NAME)
+        _write_atomic(tmp / META_NAME, lambda p: p.write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8"))
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result

@@ -1,0 +1,107 @@
+"""Importing the reference trainer's AR-LoRA directory: the imported critic predicts what the
+reference-shaped AR predicts, and every setting it cannot reproduce stops with one line."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import run_cli
+from shared.config import build_config
+from shared.schema import normalize_activation
+from shared.spec import load_spec
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+class ReferenceShapedAR(torch.nn.Module):
+    """Built the reference trainer's way: a causal LM cut to K+1 blocks (final norm dropped), LoRA
+    injected into it, a bias-free value head on the normalised last-token state."""
+
+    def __init__(self, model_dir, blocks, r, alpha):
+        super().__init__()
+        from peft import LoraConfig, inject_adapter_in_model
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        config.num_hidden_layers = blocks
+        self.backbone = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
+        self.backbone.model.norm = torch.nn.Identity()
+        d = config.hidden_size
+        self.value_head = torch.nn.Linear(d, d, bias=False)
+        inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, bias="none", use_rslora=True,
+                                           target_modules=TARGETS), self.backbone)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                if "lora_" in n or n.startswith("value_head"):
+                    p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "lora_" in n else 0.2))
+
+    def predict(self, ids, mse_scale):
+        h = self.backbone.model(input_ids=ids).last_hidden_state[:, -1]
+        return self.value_head(normalize_activation(h, mse_scale))
+
+
+def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None):
+    blocks, r, alpha = 1, 4, 8
+    ref = ReferenceShapedAR(tiny_dir / "model", blocks, r, alpha)
+    d = tmp_path / "ar_ref"
+    d.mkdir()
+    sd = {n: p.detach().contiguous() for n, p in ref.state_dict().items() if "lora_" in n or n.startswith("value_head")}
+    save_file({**sd, **(extra or {})}, str(d / "ar_lora_value_head.safetensors"))
+    meta = {"ar_num_layers": blocks, "lora_r": r, "lora_alpha": alpha, "target_modules": TARGETS,
+            "final_norm_stripped": True, **(meta_overrides or {})}
+    (d / "ar_meta.json").write_text(json.dumps(meta))
+    return ref, d
+
+
+def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
+    from critic.scoring import CriticService
+
+    ref, ar = _write_reference(tmp_path, tiny_dir)
+    out = tmp_path / "critic"
+    res = run_cli("critic", "import-reference", ar, out, "--model", tiny_dir / "model")
+    assert res.returncode == 0, res.stderr
+    assert "critic.lora_r=4" in res.stdout and not (tmp_path / "critic.importing").exists()
+    spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
+    cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
+                        "critic": {"checkpoint": str(out), "lora_r": 4, "lora_alpha": 8}})
+    service = CriticService(cfg, spec)
+    assert len(service.model.backbone.layers) == 1
+    ids = service.encode(["moss and pine trees on a hill"])[0]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        ours = service.model(x, torch.ones_like(x))
+        theirs = ref.predict(x, spec.mse_scale)
+    assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    # the LoRA matters: without it the prediction is another one
+    with torch.no_grad():
+        for n, p in service.model.named_parameters():
+            if "lora_B" in n:
+                p.zero_()
+        assert not torch.allclose(service.model(x, torch.ones_like(x)), theirs, atol=1e-3)
+
+
+@pytest.mark.parametrize("meta,extra,needle", [
+    ({"quant": "4bit"}, None, "quant: 4bit"),
+    ({"final_norm_stripped": False}, None, "final_norm_stripped: expected true"),
+    ({"lora_r": 8}, None, "expected shape"),
+    ({"ar_num_layers": 9}, None, "the base model has only 2 blocks"),
+    (None, {"backbone.model.embed_tokens.weight": torch.zeros(3, 3)}, "unexpected tensor 'backbone.model.embed_tokens.weight'"),
+])
+def test_bad_reference_directories_stop_with_one_line(tiny_dir, tmp_path, meta, extra, needle):
+    from critic.import_reference import import_reference_ar
+    from shared.errors import NlaInputError
+
+    _, ar = _write_reference(tmp_path, tiny_dir, meta, extra)
+    out = tmp_path / "critic"
+    with pytest.raises(NlaInputError, match=needle):
+        import_reference_ar(ar, out, tiny_dir / "model")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar_ref"]  # nothing written
+
+
+def test_import_never_overwrites(tiny_dir, tmp_path):
+    _, ar = _write_reference(tmp_path, tiny_dir)
+    (tmp_path / "critic").mkdir()
+    res = run_cli("critic", "import-reference", ar, tmp_path / "critic", "--model", tiny_dir / "model")
+    assert res.returncode == 2 and "already exists" in res.stderr and len(res.stderr.strip().splitlines()) == 1
