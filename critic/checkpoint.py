@@ -79,6 +79,19 @@ def read_meta(ckpt_dir: str | Path) -> CriticMeta:
     return meta
 
 
+def read_json_object(path: Path, missing: str = "file not found") -> dict:
+    """A JSON object from ``path``, or a one-line error naming the file."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NlaInputError(path, missing) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NlaInputError(path, "not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise NlaInputError(path, "expected a JSON object")
+    return raw
+
+
 def _write_atomic(path: Path, write) -> None:
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
@@ -162,12 +175,7 @@ def load_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> N
     """Restore a state saved by ``save_optimizer``; the optimiser kind and parameter list must match."""
     d = Path(ckpt_dir)
     meta_path = d / OPTIM_META_NAME
-    try:
-        rest = json.loads(meta_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NlaInputError(meta_path, "file not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NlaInputError(meta_path, "not valid JSON") from None
+    rest = read_json_object(meta_path)
     if rest.get("optimizer") != type(optimizer).__name__:
         raise NlaInputError(meta_path, f"optimizer: expected {type(optimizer).__name__}, found {rest.get('optimizer')!r}")
     saved_names = rest.get("param_names")

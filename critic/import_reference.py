@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from critic.checkpoint import CriticMeta, _load_tensors, _save_tensors, _write_atomic
+from critic.checkpoint import CriticMeta, _load_tensors, _save_tensors, _write_atomic, read_json_object
 from critic.model import base_config
 from shared.errors import NlaInputError
 
@@ -31,14 +31,7 @@ REFERENCE_WEIGHTS = "ar_lora_value_head.safetensors"
 
 
 def _read_reference_meta(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NlaInputError(path, "file not found (expected the reference trainer's AR-LoRA directory)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NlaInputError(path, "not valid JSON") from None
-    if not isinstance(raw, dict):
-        raise NlaInputError(path, "expected a JSON object")
+    raw = read_json_object(path, "file not found (expected the reference trainer's AR-LoRA directory)")
     for key in ("ar_num_layers", "lora_r", "lora_alpha"):
         if not isinstance(raw.get(key), int) or isinstance(raw.get(key), bool) or raw[key] < 1:
             raise NlaInputError(path, f"{key}: expected a positive integer, found {raw.get(key)!r}")
