@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from critic.checkpoint import CriticMeta, _load_tensors, _save_tensors, _write_atomic, read_json_object
+from critic.checkpoint import META_NAME, WEIGHTS_NAME, CriticMeta, _load_tensors, _save_tensors, _write_atomic, read_json_object
 from critic.model import base_config
 from shared.errors import NlaInputError
 
@@ -57,11 +57,11 @@ def _our_name(key: str) -> str | None:
 
 
 def _critic_shapes(model_dir: Path, meta: dict) -> dict[str, torch.Size]:
-    """Names and shapes of the trainable tensors of the critic the meta describes (meta device)."""
-    from peft import LoraConfig, inject_adapter_in_model
+    """Names and shapes of the trainable tensors of the critic the meta describes: ``CriticModel``
+    itself, built on the meta device, so the names are the ones ``critic.checkpoint`` loads."""
     from transformers import AutoModel
 
-    from critic.model import _truncated_config
+    from critic.model import CriticModel, _truncated_config
 
     config = base_config(model_dir)
     total = int(config.num_hidden_layers)
@@ -69,19 +69,14 @@ def _critic_shapes(model_dir: Path, meta: dict) -> dict[str, torch.Size]:
         raise NlaInputError(model_dir, f"ar_num_layers {meta['ar_num_layers']}: the base model has only {total} blocks")
     config = _truncated_config(config, meta["ar_num_layers"])
     with torch.device("meta"):
-        backbone = AutoModel.from_config(config)
-        inject_adapter_in_model(LoraConfig(r=meta["lora_r"], lora_alpha=meta["lora_alpha"], lora_dropout=0.0,
-                                           bias="none", use_rslora=True, target_modules=meta["target_modules"]), backbone)
-    d = int(config.hidden_size)
-    shapes = {f"backbone.{n}": p.shape for n, p in backbone.named_parameters() if "lora_" in n}
-    shapes.update({"value_head.weight": torch.Size([d, d]), "value_head.bias": torch.Size([d])})
-    return shapes
+        critic = CriticModel(AutoModel.from_config(config), int(config.hidden_size), None)
+        critic.add_lora(meta["lora_r"], meta["lora_alpha"], meta["target_modules"], use_rslora=True)
+    params = dict(critic.named_parameters())
+    return {n: params[n].shape for n in critic.trainable_names()}
 
 
 def import_reference_ar(ar_dir: str | Path, out_dir: str | Path, model_dir: str | Path) -> CriticMeta:
     """Convert; ``out_dir`` appears only when complete. Returns the written meta."""
-    from critic.checkpoint import META_NAME, WEIGHTS_NAME
-
     ar_dir, out_dir, model_dir = Path(ar_dir), Path(out_dir), Path(model_dir)
     if out_dir.exists():
         raise NlaInputError(out_dir, "already exists (choose a new directory)")

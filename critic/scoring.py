@@ -37,8 +37,9 @@ from shared.errors import NlaInputError
 from shared.prompts import render_critic_ids
 from shared.schema import normalized_mse
 
-# fields that fix the critic's structure: a checkpoint must agree on all of them
-_STRUCTURE = ("num_layers", "d_model", "lora_r", "lora_alpha", "use_rslora", "target_modules")
+# fields that fix the critic's structure: a checkpoint must agree on all of them (its LoRA's
+# target_modules have no config field: the checkpoint's own are used)
+_STRUCTURE = ("num_layers", "d_model", "lora_r", "lora_alpha", "use_rslora")
 
 
 def _chunks(items: list, size: int):
@@ -105,9 +106,7 @@ class CriticService:
         for key in _STRUCTURE:
             if key == "num_layers" and not explicit_layers:
                 continue
-            if key in ("lora_alpha", "use_rslora", "target_modules") and want.lora_r == 0 and saved.lora_r == 0:
-                continue
-            if key == "target_modules":  # no config field: the checkpoint's own are used
+            if key in ("lora_alpha", "use_rslora") and want.lora_r == 0 and saved.lora_r == 0:
                 continue
             a, b = getattr(saved, key), getattr(want, key)
             if a != b:
