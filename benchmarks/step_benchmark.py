@@ -119,6 +119,10 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
+def micro_batch_arg(text: str):
+    return text if text == "auto" else int(text)
+
+
 def add_workload_args(ap, steps: int) -> None:
     """The workload options both GPU benchmarks share (the issue's workload by default)."""
     ap.add_argument("--workdir", default="/tmp/nla-bench")
@@ -129,7 +133,7 @@ def add_workload_args(ap, steps: int) -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--new-tokens", type=int, default=150)
     ap.add_argument("--lora-r", type=int, default=128)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=micro_batch_arg, default="auto", help="learner.micro_batch: samples, or auto")
     ap.add_argument("--steps", type=int, default=steps, help="steps timed (the first warms up)")
     ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when it shares one")
 
@@ -140,6 +144,7 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/h200.json")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
+    ap.add_argument("--skip-old-update", action="store_true", help="do not also time the padded (pre-packing) update")
     ap.add_argument("--transport", choices=["memory", "file"], default="memory")
     ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
     args = ap.parse_args()
@@ -289,13 +294,34 @@ def main() -> int:
         raw.append(t_raw)
     res["raw_vllm_rollout"] = min(raw)
 
+    # ---- the update before this change: PEFT's fp32 LoRA on padded rows, micro-batch 8, same samples ----
+    if not args.skip_old_update:
+        learner.policy.use_forward("padded")
+        learner.cfg.learner.micro_batch = 8
+        res["parity_bf16_padded"] = parity(samples)
+        old = []
+        for _ in range(2):
+            reset_peak()
+            _, t_old = timed(lambda: update(samples))
+            old.append({"update": t_old, "peak_gb": peak_gb()})
+            print(f"[padded update] {old[-1]}", flush=True)
+        res["update_padded"] = old
+        learner.policy.use_forward(cfg.learner.forward)
+        learner.cfg.learner.micro_batch = cfg.learner.micro_batch
+
     warm = steps[1:] or steps
     med = {k: statistics.median(s[k] for s in warm) for k in ("rollout", "score", "update", "push", "total")}
     res["nla_grpo"] = med
-    tokens = args.prompts * args.group * (args.prompt_len + args.new_tokens)
-    n_params = sum(p.numel() for p in learner.model.parameters())
-    flops = 6 * n_params * tokens  # policy fwd + bwd (input grads) + reference fwd, 2·N each
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    # 6·N·tokens (policy forward + backward, reference forward), N = the base model's parameters
+    flops = 6 * learner.base_params * tokens
+    res["base_params"], res["update_tokens"] = learner.base_params, tokens
     res["learner_tflops"] = flops / med["update"] / 1e12
+    res["micro_batch_tokens"] = learner.micro_batch_tokens
+    if "update_padded" in res:
+        t_old = res["update_padded"][-1]["update"]
+        res["learner_tflops_padded"] = flops / t_old / 1e12
+        res["update_speedup"] = t_old / med["update"]
     res["samples_per_s"] = args.prompts * args.group / med["total"]
     if "reference" in res:
         res["speedup"] = res["reference"]["total"] / med["total"]
@@ -307,7 +333,8 @@ def main() -> int:
     for k in ("rollout", "score", "update", "push", "total"):
         print(f"| {k} | {ref.get(k, float('nan')):.2f} | {med[k]:.2f} |")
     print(f"\nraw vLLM rollout {res['raw_vllm_rollout']:.2f}s (service/raw {med['rollout'] / res['raw_vllm_rollout']:.2f}); "
-          f"samples/s {res['samples_per_s']:.1f}; learner {res['learner_tflops']:.0f} TFLOP/s; "
+          f"samples/s {res['samples_per_s']:.1f}; learner {res['learner_tflops']:.0f} TFLOP/s "
+          f"(padded path {res.get('learner_tflops_padded', float('nan')):.0f}); "
           f"speedup {res.get('speedup', float('nan')):.1f}x")
     eng.close()
     return 0

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.packing import PackedBatch, unpack_tokens
+from learner.token_logprobs import token_logprobs
 from shared.injection import KarvonenHook, embed_batch, embed_norm
 
 POLICY = "default"
@@ -101,6 +103,10 @@ def load_base_model(cfg, device):
     dtype = resolve_dtype(cfg.model.dtype, device)
     gc = cfg.learner.gradient_checkpointing
     kwargs = {"dtype": dtype}
+    if cfg.learner.forward == "packed" and torch.device(device).type == "cpu":
+        # packed rows need a 4-D mask; on the CPU eager attention rounds a sample's scores the same
+        # wherever its response sits in the row (sdpa's blocked kernel does not quite)
+        kwargs["attn_implementation"] = "eager"
     if cfg.model.load_in_4bit:
         if torch.device(device).type != "cuda":
             raise ValueError(f"model.load_in_4bit: expected a CUDA device, found {device!r}")
@@ -200,6 +206,19 @@ class Policy:
         self.hook = KarvonenHook(self.model, cfg.injection.karvonen_layer) if self.mode == "karvonen" else None
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+        self.packed = False
+        self.use_forward(cfg.learner.forward)
+
+    def use_forward(self, kind: str) -> None:
+        """``packed`` (fused LoRA, shared-prefix rows, chunked head) or ``padded`` (PEFT's forward, padded rows)."""
+        from learner import lora_compute
+
+        if kind == "packed":
+            _check_packable(self.model.config)
+            lora_compute.install(self.model)
+        else:
+            lora_compute.uninstall(self.model)
+        self.packed = kind == "packed"
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(adapter_parameters(self.model, POLICY).values())
@@ -235,19 +254,49 @@ class Policy:
         finally:
             select_adapter(self.model, POLICY)
 
-    def forward_logprobs(self, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token response logprobs of the active adapter, with the activation injected.
+    def forward_logprobs(self, batch: MicroBatch | PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token response logprobs ``(logp[S, T], mask[S, T])`` of the active adapter, activation injected.
 
         Karvonen mode must run inside ``injecting(batch)``.
         """
+        if self.mode == "karvonen" and self.hook.sites is None:
+            raise RuntimeError("karvonen forward outside Policy.injecting(batch): the activation would be missing")
+        if isinstance(batch, PackedBatch):
+            return self._forward_packed(batch)
         # the lm_head runs only where a response token is predicted (the prompt is most of the sequence)
         common = dict(attention_mask=batch.attention_mask, use_cache=False, logits_to_keep=logits_to_keep(batch))
         if self.mode == "embed":
             embeds = embed_batch(batch.input_ids, self.model.get_input_embeddings(), batch.sites, batch.vectors, self.scale)
             out = self.model(inputs_embeds=embeds, **common)
         else:
-            if self.hook.sites is None:
-                raise RuntimeError("karvonen forward outside Policy.injecting(batch): the activation would be missing")
             out = self.model(input_ids=batch.input_ids, **common)
         return response_logprobs(out.logits, batch)
+
+    def _forward_packed(self, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder over packed rows, then the LM head on the response-predicting positions only."""
+        lm = self.model.get_base_model()
+        mask = batch.attention_mask
+        if lm.config._attn_implementation == "eager":  # eager adds the mask to the scores
+            dtype = self.model.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+        common = dict(attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
+        if self.mode == "embed":
+            embeds = embed_batch(batch.input_ids, self.model.get_input_embeddings(), batch.sites, batch.vectors, self.scale)
+            hidden = lm.get_decoder()(inputs_embeds=embeds, **common).last_hidden_state
+        else:
+            hidden = lm.get_decoder()(input_ids=batch.input_ids, **common).last_hidden_state
+        picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch.pred_index)
+        return unpack_tokens(token_logprobs(picked, lm.get_output_embeddings().weight, batch.targets), batch)
+
+
+def _check_packable(config) -> None:
+    """The packed forward calls the decoder and the LM head itself: refuse what it would get wrong."""
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"learner.forward packed: expected sdpa or eager attention (a per-row 4-D mask), "
+                         f"found {impl!r}; set learner.forward: padded")
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(f"learner.forward packed: the model's {name}={getattr(config, name)} is not applied "
+                             f"by the packed LM head; set learner.forward: padded")
 

@@ -37,6 +37,22 @@ class _Item:
     advantage: float
 
 
+def _base_parameter_count(model) -> int:
+    """Parameters of the frozen base (the adapters left out; a 4-bit weight counted at its full shape)."""
+    n = 0
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            continue
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n += math.prod(shape) if shape is not None else p.numel()
+    return n
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _as_matrix(vectors, n: int) -> torch.Tensor:
     if isinstance(vectors, (list, tuple)) and vectors and isinstance(vectors[0], torch.Tensor):
         m = torch.stack([v.reshape(-1) for v in vectors])
@@ -97,26 +113,63 @@ class Learner:
         self.optimizer = make_adamw(self.params, cfg.learner.lr, cfg.learner.optimizer)
         self.step = 0
         self.version = 1  # the initial adapter is version 1, so rollouts can load it before step 0
+        self.micro_batch_tokens: int | None = None  # micro_batch auto: chosen at the first forward, then kept
+        self.base_params = _base_parameter_count(self.model)
 
-    # ---- scoring -------------------------------------------------------------------------------
-    def _chunks(self, items: list[_Item]):
+    # ---- micro-batches ----------------------------------------------------------------------------
+    def _token_budget(self) -> int | None:
+        """Tokens per micro-batch under ``micro_batch: auto`` (chosen once, then kept; None otherwise)."""
+        if self.cfg.learner.micro_batch != "auto":
+            return None
+        if self.micro_batch_tokens is None:
+            from learner.memory_plan import plan_tokens
+
+            elem = self.model.get_input_embeddings().weight.element_size()
+            # gradients and both Adam moments of the fp32 adapter appear at the first step
+            reserve = 0 if self.optimizer.state else 3 * sum(p.numel() * p.element_size() for p in self.params)
+            from learner.token_logprobs import CHUNK_BYTES
+
+            self.micro_batch_tokens = plan_tokens(self.model.get_base_model().config, self.cfg.learner.lora_r, elem,
+                                                  self.cfg.learner.gradient_checkpointing, self.device,
+                                                  reserve + 3 * CHUNK_BYTES)
+        return self.micro_batch_tokens
+
+    def _micro_batches(self, items: list[_Item]):
+        """``(idx, batch)`` per micro-batch: ``idx[s]`` is the item that sample ``s`` of ``batch`` scores."""
         mb = self.cfg.learner.micro_batch
+        budget = self._token_budget()
+        if self.policy.packed:
+            from learner.packing import build_rows, pack, plan_micro_batches
+
+            # a group stays in one row (split only beyond the token budget): where a response sits in its
+            # row must not depend on the micro-batch size, or rounding would
+            max_samples = None if mb == "auto" else mb
+            rows = build_rows([it.prompt_ids for it in items], [it.site for it in items], [it.vector for it in items],
+                              [len(it.response_ids) for it in items], None, budget)
+            for group in plan_micro_batches(rows, max_samples, budget):
+                batch = pack(group, [it.response_ids for it in items], self.policy.pad_id, self.device)
+                yield batch.members, batch
+            return
+        if mb == "auto":
+            mb = max(1, budget // max(len(it.prompt_ids) + len(it.response_ids) for it in items))
         for start in range(0, len(items), mb):
             chunk = items[start: start + mb]
             batch = self.policy.batch([it.prompt_ids for it in chunk], [it.response_ids for it in chunk],
                                       [it.site for it in chunk], torch.stack([it.vector for it in chunk]))
-            yield start, chunk, batch
+            yield list(range(start, start + len(chunk))), batch
 
+    # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
     def _score(self, items: list[_Item], adapter: str) -> list[torch.Tensor]:
-        out = []
+        out: list = [None] * len(items)
         was_training = self.model.training
         self.model.eval()
         try:
-            for _, chunk, batch in self._chunks(items):
+            for idx, batch in self._micro_batches(items):
                 with self.policy.injecting(batch), self.policy.using(adapter):
                     logp, _ = self.policy.forward_logprobs(batch)
-                out += [logp[r, : len(it.response_ids)].cpu() for r, it in enumerate(chunk)]
+                for r, i in enumerate(idx):
+                    out[i] = logp[r, : len(items[i].response_ids)].cpu()
         finally:
             self.model.train(was_training)
         return out
@@ -141,14 +194,16 @@ class Learner:
         """
         g = self.cfg.grpo
         n = len(items)
-        kept, loss_sum, kls, clips, mm_abs, mm_k3 = 0, 0.0, [], [], [], []
+        kept, loss_sum, kls, clips = 0, 0.0, [], []
         decide = keep is None
-        keep = list(keep) if keep is not None else []
+        keep = list(keep) if keep is not None else [True] * n
+        mm_abs, mm_k3 = [0.0] * n, [0.0] * n
         self.model.train()
-        for start, chunk, batch in self._chunks(items):
-            T = int(batch.response_lens.max())
+        for idx, batch in self._micro_batches(items):
+            chunk = [items[i] for i in idx]
+            T = max(len(it.response_ids) for it in chunk)
             adv = torch.tensor([it.advantage for it in chunk], dtype=torch.float32, device=self.device)
-            old_lp = _padded(old[start: start + len(chunk)], T, self.device)
+            old_lp = _padded([old[i] for i in idx], T, self.device)
             with self.policy.injecting(batch):
                 new_lp, mask = self.policy.forward_logprobs(batch)
                 with torch.no_grad(), self.policy.using(REFERENCE):
@@ -156,10 +211,10 @@ class Learner:
                 if decide:
                     rollout = _padded([it.rollout_logp for it in chunk], T, self.device)
                     a, k = logprob_mismatch(rollout, new_lp, mask)
-                    mm_abs += a.tolist()
-                    mm_k3 += k.tolist()
-                    keep += [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in k.tolist()]
-                row_keep = torch.tensor(keep[start: start + len(chunk)], device=self.device)
+                    for i, x, y in zip(idx, a.tolist(), k.tolist()):
+                        mm_abs[i], mm_k3[i] = x, y
+                        keep[i] = math.isfinite(y) and y <= self.cfg.learner.mismatch_mask_k3
+                row_keep = torch.tensor([keep[i] for i in idx], device=self.device)
                 # a masked row still sits in the graph: a non-finite old logprob there would turn its
                 # zero upstream gradient into NaN (0 * NaN) for the whole step
                 old_lp = torch.where(torch.isfinite(old_lp), old_lp, new_lp.detach())
@@ -211,12 +266,17 @@ class Learner:
         ``ppo_epochs > 1`` they are recomputed by the learner first and that many steps are taken.
         Samples whose mismatch k3 exceeds ``mismatch_mask_k3`` are left out of the loss.
         """
+        import time
+
         items = _items(samples, vectors, advantages)
         epochs = self.cfg.learner.ppo_epochs
+        _sync(self.device)
+        t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         if not items:
             return {"loss": 0.0, "grad_norm": 0.0, "kl_mean": 0.0, "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
-                    "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True}
+                    "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True, "learner/tokens_per_s": 0.0,
+                    "learner/tflops": 0.0, "learner/micro_batch_tokens": self.micro_batch_tokens or 0}
         rollout = [it.rollout_logp for it in items]
         if epochs > 1:
             old = self._score(items, POLICY)
@@ -224,9 +284,10 @@ class Learner:
             keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in mm_k3]
         else:
             old, keep = rollout, None
-        stepped, norm = 0, 0.0
+        stepped, ran, norm = 0, 0, 0.0
         for _ in range(epochs):
             stats = self._accumulate(items, old, keep)
+            ran += 1
             if keep is None:
                 keep = stats["keep"]
                 mm_abs, mm_k3 = stats["mismatch"]
@@ -243,10 +304,20 @@ class Learner:
                           f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed"
                           + (", or one step moved the policy that far (grpo.overlap_rollout samples one step behind)"
                              if self.cfg.grpo.overlap_rollout else ""), RuntimeWarning)
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        # tokens as an unpacked forward sees them (prompt + response per sample, no padding); FLOPs the
+        # usual 6·N·tokens per epoch (policy forward + backward, reference forward), plus 2·N·tokens for
+        # the policy's rescoring of the batch when ppo_epochs > 1
+        tokens = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
+        flops = (6 * ran + (2 if epochs > 1 else 0)) * self.base_params * tokens
         return {
             "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
             "logprob_mismatch_mean_abs": sum(mm_abs) / len(mm_abs), "logprob_mismatch_k3": sum(mm_k3) / len(mm_k3),
             "masked": masked, "skipped": skipped,
+            "learner/tokens_per_s": tokens * ran / seconds,
+            "learner/tflops": flops / seconds / 1e12,
+            "learner/micro_batch_tokens": self.micro_batch_tokens or 0,
         }
 
     # ---- export and checkpoints ------------------------------------------------------------------
@@ -300,7 +371,8 @@ class Learner:
                                               "optimizer": type(self.optimizer).__name__})
             save_file({k: cpu_copy(v) for k, v in capture_rng().items()}, str(tmp / RNG_FILE))
             write_json(tmp / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
-                                          "injection_mode": self.cfg.injection.mode})
+                                          "injection_mode": self.cfg.injection.mode,
+                                          "micro_batch_tokens": self.micro_batch_tokens})
         return Path(directory)
 
     def _load_adapter(self, name: str, path: Path) -> None:
@@ -341,3 +413,5 @@ class Learner:
         self.optimizer.load_state_dict(join_optimizer_state(load_file(str(d / OPTIMIZER_TENSORS)), meta))
         restore_rng(load_file(str(d / RNG_FILE)))
         self.step, self.version = int(state["step"]), int(state["version"])
+        # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)
+        self.micro_batch_tokens = state.get("micro_batch_tokens")

@@ -7,7 +7,7 @@ field. ``dump_config`` writes the resolved config that each run directory keeps.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -127,8 +127,12 @@ class LearnerConfig(_Section):
     """auto = 8-bit AdamW where bitsandbytes imports, torch AdamW otherwise; betas (0.9, 0.95)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient-norm clip; a non-finite norm skips the step."""
-    micro_batch: int = Field(8, ge=1, le=4096)
-    """Samples per fused forward/backward."""
+    micro_batch: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
+    """Samples per fused forward/backward (packed: whole groups, a group shares one row); auto = as many tokens as
+    free memory holds."""
+    forward: Literal["packed", "padded"] = "packed"
+    """packed: each group's prompt once with its responses after it, LoRA computed in the model dtype, chunked
+    LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (injection stays set)."""
     ppo_epochs: int = Field(1, ge=1, le=16)

@@ -1,0 +1,162 @@
+"""The learner's update alone on the 8B shape: the packed path against the padded one, in one run.
+
+No rollout engine is needed (no vLLM): the samples are synthetic, ``--prompts`` × ``--group``
+responses of ``--new-tokens`` tokens (``--lengths uniform``: 20 to ``--new-tokens``, as real
+explanations vary), on the same model, tokenizer and prompts as ``step_benchmark.py``. Each variant
+builds its own ``Learner`` on the same weights and times ``--steps`` updates (the first warms up).
+FLOPs are counted as 6·N·tokens with N the base model's parameters and tokens the prompt + response
+of every sample (what the update is asked to do, whatever it skips); ``processed_tflops`` counts
+what the packed rows actually ran.
+
+    python benchmarks/learner_benchmark.py --prompts 64 --group 8 --out benchmarks/h200-learner-64x8.json
+    python benchmarks/learner_benchmark.py --profile benchmarks/h200-learner-profile.txt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import step_benchmark  # noqa: E402  (the shared workload)
+
+VARIANTS = {
+    "padded": {"forward": "padded", "micro_batch": 8},
+    "packed": {"forward": "packed", "micro_batch": "auto"},
+    # every sample its own row (no shared prompt): what bf16 LoRA + the chunked head give alone
+    "packed_unshared": {"forward": "packed", "micro_batch": "auto", "unshared": True},
+}
+
+
+def synthetic_samples(job, prompts: int, group: int, new_tokens: int, lengths: str, seed: int):
+    import torch
+
+    from shared.types import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 256  # the small benchmark tokenizer's byte range: plain text tokens
+    samples = []
+    for p in range(prompts):
+        ids, site = job.prompt_ids[int(job.prompt_index_train[p])]
+        for g in range(group):
+            n = new_tokens if lengths == "fixed" else int(torch.randint(20, new_tokens + 1, (1,), generator=gen))
+            resp = torch.randint(3, vocab, (n,), generator=gen).tolist()
+            samples.append(Sample(row_id=p, group_index=g, prompt_ids=list(ids), site=site, response_ids=resp,
+                                  logprobs=[-5.0] * n, text="", finish_reason="length", adapter_version=1))
+    return samples
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    step_benchmark.add_workload_args(ap, steps=3)
+    ap.add_argument("--lengths", choices=["fixed", "uniform"], default="fixed")
+    ap.add_argument("--variants", default="padded,packed,packed_unshared")
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--profile", help="write a torch-profiler table of one packed update here")
+    ap.add_argument("--out", default="benchmarks/h200-learner.json")
+    ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
+    args = ap.parse_args()
+    if args.dry_run_cpu:
+        step_benchmark.DEVICE = "cpu"
+        args.layers = min(args.layers, 4)
+    dev = step_benchmark.DEVICE
+    import torch
+
+    from learner.grpo import group_advantages
+    from learner.job import prepare_job
+    from learner.service import Learner
+    from shared.config import build_config
+
+    root = step_benchmark.build_workdir(Path(args.workdir), step_benchmark.SMALL if args.dry_run_cpu else step_benchmark.QWEN3_8B,
+                                        args.layers, args.prompts, args.prompt_len, seed=0)
+    base_cfg = {
+        "model": {"path": str(root / "model"), "dtype": "bfloat16" if dev == "cuda" else "float32"},
+        "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
+        "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens},
+        "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "lr": 1e-6, "optimizer": "adamw",
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "mismatch_mask_k3": 1e9},  # synthetic rollout logprobs: nothing may be masked out of the loss
+        "grpo": {"prompts_per_step": args.prompts},
+        "placement": {"mode": "cpu"},
+        "logging": {"eval_every": 0},
+    }
+    job = prepare_job(build_config(base_cfg, "benchmark"), log=lambda m: None)
+    samples = synthetic_samples(job, args.prompts, args.group, args.new_tokens, args.lengths, seed=0)
+    vectors = torch.from_numpy(job.train.activations[: args.prompts]).repeat_interleave(args.group, 0)
+    adv = group_advantages(torch.randn(len(samples), generator=torch.Generator().manual_seed(1)),
+                           torch.arange(args.prompts).repeat_interleave(args.group)).tolist()
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    res: dict = {"config": vars(args), "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
+                 "torch": torch.__version__, "samples": len(samples), "tokens": tokens, "variants": {}}
+
+    def dump():
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+    for name in args.variants.split(","):
+        spec = dict(VARIANTS[name])
+        unshared = spec.pop("unshared", False)
+        if args.micro_batch != 8 and spec["forward"] == "padded":
+            spec["micro_batch"] = args.micro_batch
+        cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], **spec}}, "benchmark")
+        learner = Learner(cfg, job.spec, dev)
+        vecs = vectors
+        if unshared:  # a distinct activation per sample: no two samples share a row
+            vecs = vectors + 1e-3 * torch.arange(len(samples)).unsqueeze(1)
+        n_base = learner.base_params
+        times, peaks, metrics = [], [], None
+        for k in range(args.steps):
+            step_benchmark.reset_peak()
+            metrics, t = step_benchmark.timed(lambda: learner.update(samples, adv, vecs))
+            times.append(t)
+            peaks.append(step_benchmark.peak_gb())
+            print(f"[{name} {k}] {t:.2f}s peak {peaks[-1]:.1f} GB tflops {metrics['learner/tflops']:.0f} "
+                  f"mb tokens {metrics['learner/micro_batch_tokens']}", flush=True)
+        warm = times[1:] or times
+        med = statistics.median(warm)
+        processed = _processed_tokens(learner, samples, vecs)
+        res["variants"][name] = {
+            "learner": spec, "unshared": unshared, "update_s": med, "times": times, "peak_gb": max(peaks),
+            "learner_tflops": 6 * n_base * tokens / med / 1e12, "tokens_per_s": tokens / med,
+            "processed_tokens": processed, "processed_tflops": 6 * n_base * processed / med / 1e12,
+            "micro_batch_tokens": learner.micro_batch_tokens, "base_params": n_base,
+            "last_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
+        }
+        dump()
+        if args.profile and spec["forward"] == "packed" and not unshared:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+            with profile(activities=acts) as prof:
+                learner.update(samples, adv, vecs)
+                step_benchmark.sync()
+            key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
+            Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+        del learner
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+    base = res["variants"].get("padded")
+    for name, v in res["variants"].items():
+        ratio = base["update_s"] / v["update_s"] if base else float("nan")
+        print(f"| {name} | {v['update_s']:.2f} s | {v['learner_tflops']:.0f} TFLOP/s | {v['peak_gb']:.1f} GB | {ratio:.2f}x |")
+    dump()
+    return 0
+
+
+def _processed_tokens(learner, samples, vectors) -> int:
+    """Tokens the packed rows hold (without padding); for the padded path, every row's real tokens."""
+    from learner.service import _items
+
+    items = _items(samples, vectors)
+    if not learner.policy.packed:
+        return sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
+    return sum(batch.processed for _, batch in learner._micro_batches(items))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""LoRA layers that compute in the base model's dtype while their weights (and optimiser) stay fp32.
+
+PEFT keeps adapter weights in fp32 on a bf16 base (``autocast_adapter_dtype``) and then casts each
+layer's *input* to fp32, so every LoRA matmul of the 7 adapted linears runs in fp32, forward and
+backward, twice per micro-batch (policy and reference). On an H200 that made an r=128 policy pass
+73% slower than the bare base for ~5% more FLOPs. Here the small adapter matrices are cast to the
+activations' dtype instead (their gradient flows back through the cast into the fp32 weights), and
+the update is one fused ``addmm`` into the base output: ``y = base(x) + s·(x Aᵀ) Bᵀ``.
+
+In fp32 (the CPU path) this is the same arithmetic as PEFT's. Layers PEFT would treat specially
+(DoRA and other variants, dropout, merged weights, mixed-adapter batches) keep PEFT's own forward.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+
+
+# PEFT's LoRA classes over a dense, 4-bit or 8-bit linear: their forward is base(x) + the LoRA term
+LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
+
+
+def _fast_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    active = [a for a in self.active_adapters if a in self.lora_A]
+    if (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None or self.lora_variant
+            or any(not isinstance(self.lora_dropout[a], torch.nn.Identity) for a in active)):
+        return type(self).forward(self, x, *args, **kwargs)
+    result = self.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    flat = x.reshape(-1, x.shape[-1]).to(dtype)
+    out = result.reshape(-1, result.shape[-1])
+    for name in active:
+        a = self.lora_A[name].weight.to(dtype)
+        b = self.lora_B[name].weight.to(dtype)
+        out = torch.addmm(out, flat @ a.t(), b.t(), alpha=self.scaling[name])
+    return out.view(result.shape)
+
+
+def install(model) -> int:
+    """Give every PEFT LoRA linear of ``model`` the fused forward; returns how many layers got it."""
+    from peft.tuners.lora import LoraLayer
+
+    n = 0
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and type(module).__name__ in LINEAR_CLASSES:
+            module.forward = types.MethodType(_fast_forward, module)
+            n += 1
+    return n
+
+
+def uninstall(model) -> None:
+    """Back to PEFT's own forward (the plain path)."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer) and "forward" in module.__dict__:
+            del module.forward

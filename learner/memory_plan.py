@@ -1,0 +1,59 @@
+"""``learner.micro_batch: auto``: how many tokens one micro-batch may hold, from the memory that is free.
+
+The estimate counts what backward keeps per token and decoder layer (norm inputs and outputs, the
+attention projections and output, the four MLP intermediates, the LoRA ranks), or with gradient
+checkpointing one hidden state per layer plus one layer being recomputed, times a safety factor.
+The budget is rounded down to a multiple of ``QUANTUM`` tokens so that a little jitter in free memory
+does not change the micro-batches (and with them the run's floating-point order); the learner keeps
+the budget it chose in its checkpoints, so a resumed run uses the same one.
+"""
+from __future__ import annotations
+
+import os
+
+SAFETY = 1.5
+QUANTUM = 512
+MIN_TOKENS, MAX_TOKENS = 512, 1 << 17
+CPU_MAX_TOKENS = 16384  # the CPU path: fixed, so runs do not depend on the host's free memory
+
+
+def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                               head_dim: int, lora_r: int, elem_bytes: int, checkpointing: bool) -> int:
+    """Bytes that backward keeps alive per token of a policy micro-batch (before the safety factor)."""
+    per_layer = 4 * hidden + 6 * heads * head_dim + 3 * kv_heads * head_dim + 4 * intermediate + 7 * lora_r
+    if checkpointing:
+        return (layers * hidden + per_layer) * elem_bytes
+    return layers * per_layer * elem_bytes
+
+
+def token_budget(free_bytes: int, per_token: int, reserve_bytes: int = 0) -> int:
+    """Tokens per micro-batch that fit in ``free_bytes - reserve_bytes`` (at least ``MIN_TOKENS``)."""
+    usable = 0.9 * max(free_bytes - reserve_bytes, 0)
+    tokens = int(usable / (SAFETY * per_token)) // QUANTUM * QUANTUM
+    return max(MIN_TOKENS, min(MAX_TOKENS, tokens))
+
+
+def free_bytes(device) -> int:
+    """Free memory on ``device``: the GPU's free memory plus what torch's cache holds unused; on the CPU, RAM."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
+                reserve_bytes: int = 0) -> int:
+    """The micro-batch token budget for this model on ``device`` now."""
+    c = model_config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    per_token = activation_bytes_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
+                                           getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
+                                           elem_bytes, checkpointing)
+    budget = token_budget(free_bytes(device), per_token, reserve_bytes)
+    import torch
+
+    return min(budget, CPU_MAX_TOKENS) if torch.device(device).type != "cuda" else budget

@@ -1,0 +1,104 @@
+"""The packed update (shared-prefix rows, fused LoRA, chunked head) against the padded one on the tiny model (fp32)."""
+import pytest
+import torch
+
+from learner.policy import POLICY, REFERENCE
+from learner.service import Learner
+from test_learner_service import _adv, _grads
+from test_learner_support import load_tiny_spec, make_cfg, sample_responses
+
+MODES = ("embed", "karvonen")
+
+
+@pytest.fixture(scope="module")
+def uneven(tiny_dir):
+    """Per mode: 3 prompts × 4 samples of 1 to 7 tokens."""
+    return {mode: sample_responses(tiny_dir, mode, n_prompts=3, group=4, max_new=7) for mode in MODES}
+
+
+def _moved_learner(tiny_dir, samples, vectors, mode, **kw):
+    """A learner whose policy is off its initial adapter (B != 0), so LoRA, reference and KL all matter."""
+    learner = Learner(make_cfg(tiny_dir, mode, lr=1e-2, mismatch_mask_k3=1e6, **kw), load_tiny_spec(tiny_dir))
+    assert learner.policy.packed
+    learner.update(samples, _adv(len(samples)), vectors)
+    return learner
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_and_padded_give_the_same_loss_and_gradients(tiny_dir, uneven, mode, checkpointing):
+    samples, vectors = uneven[mode]
+    assert len({len(s.response_ids) for s in samples}) > 3  # uneven lengths inside each group
+    learner = _moved_learner(tiny_dir, samples, vectors, mode, micro_batch=8, gradient_checkpointing=checkpointing)
+    adv = _adv(len(samples))
+    g_packed, s_packed = _grads(learner, samples, adv, vectors)
+    learner.policy.use_forward("padded")
+    g_padded, s_padded = _grads(learner, samples, adv, vectors)
+    assert all(g_padded[k].abs().max() > 0 for k in g_padded)
+    assert max((g_packed[k] - g_padded[k]).abs().max().item() for k in g_padded) <= 1e-5
+    assert s_packed["loss"] == pytest.approx(s_padded["loss"], abs=1e-5)
+    assert s_packed["kl_mean"] == pytest.approx(s_padded["kl_mean"], rel=1e-6) and s_packed["kl_mean"] > 0
+    for adapter in (POLICY, REFERENCE):
+        learner.policy.use_forward("padded")
+        want = learner.logprobs(samples, vectors, adapter)
+        learner.policy.use_forward("packed")
+        got = learner.logprobs(samples, vectors, adapter)
+        assert max(abs(a - b) for x, y in zip(got, want) for a, b in zip(x, y)) <= 1e-5
+
+
+def test_packing_shares_each_prompt_once(tiny_dir, uneven):
+    from learner.service import _items
+
+    samples, vectors = uneven["embed"]
+    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8), load_tiny_spec(tiny_dir))
+    batches = [b for _, b in learner._micro_batches(_items(samples, vectors))]
+    assert sum(b.input_ids.shape[0] for b in batches) == 3  # one row per prompt
+    assert sum(len(b.members) for b in batches) == len(samples)
+    assert sum(b.processed for b in batches) < sum(b.tokens for b in batches)
+    assert sorted(i for b in batches for i in b.members) == list(range(len(samples)))
+
+
+def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, uneven, tmp_path):
+    from learner.memory_plan import CPU_MAX_TOKENS
+
+    samples, vectors = uneven["embed"]
+    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
+    m = learner.update(samples, _adv(len(samples)), vectors)
+    assert m["learner/micro_batch_tokens"] == learner.micro_batch_tokens == CPU_MAX_TOKENS
+    assert m["learner/tokens_per_s"] > 0 and m["learner/tflops"] > 0
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    assert m["learner/tflops"] * 1e12 / m["learner/tokens_per_s"] == pytest.approx(6 * learner.base_params, rel=1e-6)
+    assert learner.base_params == sum(p.numel() for n, p in learner.model.named_parameters() if "lora_" not in n)
+    assert tokens > 0
+    learner.micro_batch_tokens = 4096  # as if another machine had chosen it
+    learner.save(tmp_path / "ckpt")
+    fresh = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2), load_tiny_spec(tiny_dir))
+    fresh.load(tmp_path / "ckpt")
+    assert fresh.micro_batch_tokens == 4096
+
+
+def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):
+    samples, vectors = uneven["embed"]
+    learner = _moved_learner(tiny_dir, samples, vectors, "embed", micro_batch="auto")
+    adv = _adv(len(samples))
+    g_whole, _ = _grads(learner, samples, adv, vectors)
+    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    learner.micro_batch_tokens = longest + 2  # rows of about one sample each
+    from learner.service import _items
+
+    assert sum(b.input_ids.shape[0] for _, b in learner._micro_batches(_items(samples, vectors))) > 3
+    g_split, _ = _grads(learner, samples, adv, vectors)
+    assert max((g_whole[k] - g_split[k]).abs().max().item() for k in g_whole) <= 1e-5
+
+
+def test_the_packed_forward_refuses_attention_it_cannot_mask(tiny_dir):
+    from learner.policy import _check_packable
+
+    class Cfg:
+        _attn_implementation = "flash_attention_2"
+
+    with pytest.raises(ValueError, match="learner.forward packed: expected sdpa or eager"):
+        _check_packable(Cfg())
+    Cfg._attn_implementation, Cfg.final_logit_softcapping = "sdpa", 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        _check_packable(Cfg())
