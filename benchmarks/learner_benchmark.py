@@ -101,7 +101,7 @@ def main() -> int:
     for name in args.variants.split(","):
         spec = dict(VARIANTS[name])
         unshared = spec.pop("unshared", False)
-        if args.micro_batch != 8 and spec["forward"] == "padded":
+        if spec["forward"] == "packed":
             spec["micro_batch"] = args.micro_batch
         cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], **spec}}, "benchmark")
         learner = Learner(cfg, job.spec, dev)
@@ -132,8 +132,9 @@ def main() -> int:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+            few = 2 * args.group  # two groups: a short trace of the same kernels
             with profile(activities=acts) as prof:
-                learner.update(samples, adv, vecs)
+                learner.update(samples[:few], adv[:few], vecs[:few])
                 step_benchmark.sync()
             key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
             Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40))

@@ -10,6 +10,10 @@ RL parquet of ``--prompts`` rows whose prompts render to about ``--prompt-len`` 
   scoring, the same learner update, the adapter push (export -> usable by vLLM); plus raw
   ``vllm.LLM.generate`` on the same prompts and adapter, to show the service's overhead.
 
+After the timed steps it also times the update on the last step's samples with
+``learner.forward: padded`` at micro-batch 8 (the learner before shared-prefix packing), unless
+``--skip-old-update``; ``learner_tflops`` counts 6·N·tokens with N the base model's parameters.
+
 All services run in this one process (vLLM's engine in-process too), sharing the GPU as in the
 ``colocated`` placement. Responses are forced to ``--new-tokens`` (random weights rarely stop).
 Prints a markdown table and writes JSON to ``--out``.

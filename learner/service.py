@@ -3,11 +3,13 @@
 One ``update`` = per micro-batch: policy forward (with grad), reference forward (no grad, frozen
 "reference" adapter), loss, backward, free; then one clipped optimiser step, skipped when the loss
 or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
-moments and the weights).
+moments and the weights). Micro-batches are packed rows (``learner.packing``: a group's prompt once,
+its responses after it) unless ``learner.forward: padded``.
 """
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,12 +125,12 @@ class Learner:
             return None
         if self.micro_batch_tokens is None:
             from learner.memory_plan import plan_tokens
-
-            elem = self.model.get_input_embeddings().weight.element_size()
-            # gradients and both Adam moments of the fp32 adapter appear at the first step
-            reserve = 0 if self.optimizer.state else 3 * sum(p.numel() * p.element_size() for p in self.params)
             from learner.token_logprobs import CHUNK_BYTES
 
+            elem = self.model.get_input_embeddings().weight.element_size()
+            # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
+            # needs a few chunks of fp32 logits besides the activations
+            reserve = 0 if self.optimizer.state else 3 * sum(p.numel() * p.element_size() for p in self.params)
             self.micro_batch_tokens = plan_tokens(self.model.get_base_model().config, self.cfg.learner.lora_r, elem,
                                                   self.cfg.learner.gradient_checkpointing, self.device,
                                                   reserve + 3 * CHUNK_BYTES)
@@ -266,8 +268,6 @@ class Learner:
         ``ppo_epochs > 1`` they are recomputed by the learner first and that many steps are taken.
         Samples whose mismatch k3 exceeds ``mismatch_mask_k3`` are left out of the loss.
         """
-        import time
-
         items = _items(samples, vectors, advantages)
         epochs = self.cfg.learner.ppo_epochs
         _sync(self.device)

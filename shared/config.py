@@ -7,7 +7,7 @@ field. ``dump_config`` writes the resolved config that each run directory keeps.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -127,7 +127,7 @@ class LearnerConfig(_Section):
     """auto = 8-bit AdamW where bitsandbytes imports, torch AdamW otherwise; betas (0.9, 0.95)."""
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient-norm clip; a non-finite norm skips the step."""
-    micro_batch: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
+    micro_batch: Union[int, str] = "auto"
     """Samples per fused forward/backward (packed: whole groups, a group shares one row); auto = as many tokens as
     free memory holds."""
     forward: Literal["packed", "padded"] = "packed"
@@ -139,6 +139,13 @@ class LearnerConfig(_Section):
     """Optimizer steps per batch; >1 recomputes old logprobs with the learner first."""
     mismatch_mask_k3: float = Field(0.5, gt=0.0)
     """Mask a sample whose mean k3(rollout||learner) exceeds this (weight sync or injection failed)."""
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch(cls, v):
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 4096):
+            return v
+        raise ValueError(f"expected 'auto' or an integer 1..4096, found {v!r}")
 
     @field_validator("target_modules")
     @classmethod

@@ -37,6 +37,9 @@ def test_overrides_and_roundtrip(tmp_path):
     ({"rollout": {"temperature": 0.7}}, "rollout.temperature: expected 1.0"),
     ({"grpo": {"clip_eps": 1.5}}, "grpo.clip_eps"),
     ({"learner": {"target_modules": ["embed_tokens"]}}, "learner.target_modules"),
+    ({"learner": {"micro_batch": 0}}, "learner.micro_batch: expected 'auto' or an integer 1..4096, found 0"),
+    ({"learner": {"micro_batch": "most"}}, "learner.micro_batch: expected 'auto' or an integer 1..4096, found 'most'"),
+    ({"learner": {"forward": "fused"}}, "learner.forward"),
     ({"placement": {"mode": "cluster"}}, "placement.mode"),
     ({"critic": {"train": "yes"}}, "critic.train"),
 ])
