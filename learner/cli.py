@@ -16,6 +16,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. grpo.steps=10")
 
+    c = sub.add_parser("config", help="run configs: check one before submitting it")
+    csub_ = c.add_subparsers(dest="config_cmd", required=True)
+    cc = csub_.add_parser("check", help="validate a run config as `train` would (schema, cross-field rules, model "
+                          "config, sidecar, tokenizer, data) without loading weights or starting Ray; print it resolved")
+    cc.add_argument("config")
+    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+
     d = sub.add_parser("data", help="datasets: build the tiny fixture, check a parquet")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
     dt = dsub.add_parser("tiny", help="write a tiny Qwen3, tokenizer, RL parquet and sidecar")
@@ -52,6 +59,18 @@ def _data_tiny(args) -> int:
 
     build_tiny(out, seed=args.seed)
     print(f"wrote {out}/model, {out}/rl.parquet and its sidecar (seed {args.seed})")
+    return 0
+
+
+def _config_check(args) -> int:
+    from pathlib import Path
+
+    from learner.job import absolute_paths, prepare_job
+    from shared.config import dump_config, load_config
+
+    cfg = absolute_paths(load_config(args.config, args.set), Path.cwd())
+    prepare_job(cfg, log=lambda m: print(m, file=sys.stderr))
+    sys.stdout.write(dump_config(cfg))
     return 0
 
 
@@ -131,6 +150,8 @@ def main(argv=None) -> int:
             return 0
         if args.cmd == "train":
             return _train(args)
+        if args.cmd == "config" and args.config_cmd == "check":
+            return _config_check(args)
         if args.cmd == "critic" and args.critic_cmd == "import-reference":
             from critic.import_reference import import_reference_ar
 

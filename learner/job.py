@@ -27,37 +27,6 @@ def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
     })
 
 
-def _check_combinations(cfg: RunConfig) -> None:
-    """Settings that validate one by one but cannot work together."""
-    if cfg.model.load_in_4bit and cfg.rollout.backend == "vllm":
-        raise NlaInputError("config", "model.load_in_4bit: the learner would score NF4 weights while vLLM samples the "
-                            "bf16 ones (a systematic policy mismatch); use it with rollout.backend=hf only")
-    on_gpu = cfg.placement.mode != "cpu"
-    if cfg.rollout.backend == "vllm" and on_gpu and cfg.model.dtype == "float32":
-        raise NlaInputError("config", "model.dtype=float32 with the vLLM rollout on GPUs: vLLM's GPU LoRA kernels take only "
-                            "bfloat16 / float16 (an assertion inside the first generate); use bfloat16")
-    if cfg.rollout.sleep_during_update and (cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm"):
-        raise NlaInputError("config", "rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm "
-                            f"(found {cfg.placement.mode}, {cfg.rollout.backend}): only a GPU shared with the learner gains from it")
-    if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
-        raise NlaInputError("config", "grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old "
-                            "logprobs with the current adapter and would drop the one-step staleness from the ratio; "
-                            "use ppo_epochs=1")
-    if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update:
-        raise NlaInputError("config", "grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep "
-                            "through the rollout they are meant to overlap with the update; choose one")
-    if cfg.placement.adapter_route == "collective" and cfg.placement.mode == "colocated":
-        raise NlaInputError("config", "placement.adapter_route=collective with placement.mode=colocated: NCCL cannot join "
-                            "two ranks on one GPU; use auto (CUDA IPC) there")
-    if cfg.placement.adapter_route == "cuda_ipc" and cfg.placement.mode != "colocated":
-        raise NlaInputError("config", f"placement.adapter_route=cuda_ipc needs placement.mode=colocated (one shared GPU), "
-                            f"found {cfg.placement.mode}; use auto or host")
-    low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
-    if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
-        raise NlaInputError("config", "critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates "
-                            "(no fp32 master weights); set critic.lora_r > 0 or model.dtype: float32")
-
-
 @dataclass
 class Job:
     cfg: RunConfig
@@ -81,7 +50,6 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     from shared.schema import fve_baselines
     from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 
-    _check_combinations(cfg)
     model_dir = Path(cfg.model.path)
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (config model.path)")

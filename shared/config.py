@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from shared.errors import NlaInputError
 
@@ -180,7 +180,7 @@ class PlacementConfig(_Section):
     mode: Literal["cpu", "colocated", "split"] = "cpu"
     """cpu: no GPUs; colocated: everything on one GPU; split: rollout engines on their own GPUs."""
     learner_gpus: int = Field(1, ge=0, le=64)
-    """GPUs for the learner in split mode."""
+    """GPUs for the learner in split mode (one until the learner runs data-parallel ranks)."""
     critic_own_gpu: bool = False
     """Split mode: the critic gets its own GPU instead of sharing the learner's."""
     adapter_route: Literal["auto", "host", "cuda_ipc", "collective"] = "auto"
@@ -230,6 +230,54 @@ class RunConfig(_Section):
             raise ValueError(f"temperature: expected 1.0 (rollout logprobs are raw T=1 logprobs), found {v.temperature}")
         return v
 
+    @model_validator(mode="after")
+    def _combinations(self):
+        """Settings that validate one by one but cannot work together, or that placement cannot honour."""
+        problem = combination_problem(self)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+def combination_problem(cfg: RunConfig) -> str | None:
+    """The first rule ``cfg`` breaks across fields, as one line naming the fields; None when it breaks none."""
+    p, r = cfg.placement, cfg.rollout
+    on_gpu = p.mode != "cpu"
+    if cfg.model.load_in_4bit and r.backend == "vllm":
+        return ("model.load_in_4bit: the learner would score NF4 weights while vLLM samples the bf16 ones (a systematic "
+                "policy mismatch); use it with rollout.backend=hf only")
+    if r.backend == "vllm" and on_gpu and cfg.model.dtype == "float32":
+        return ("model.dtype=float32 with the vLLM rollout on GPUs: vLLM's GPU LoRA kernels take only bfloat16 / float16 "
+                "(an assertion inside the first generate); use bfloat16")
+    if r.sleep_during_update and (p.mode != "colocated" or r.backend != "vllm"):
+        return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
+                f"{r.backend}): only a GPU shared with the learner gains from it")
+    if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
+        return ("grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old logprobs with the current "
+                "adapter and would drop the one-step staleness from the ratio; use ppo_epochs=1")
+    if cfg.grpo.overlap_rollout and r.sleep_during_update:
+        return ("grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep through the rollout they are "
+                "meant to overlap with the update; choose one")
+    if p.adapter_route == "collective" and p.mode == "colocated":
+        return ("placement.adapter_route=collective with placement.mode=colocated: NCCL cannot join two ranks on one GPU; "
+                "use auto (CUDA IPC) there")
+    if p.adapter_route == "cuda_ipc" and p.mode != "colocated":
+        return (f"placement.adapter_route=cuda_ipc needs placement.mode=colocated (one shared GPU), found {p.mode}; "
+                "use auto or host")
+    low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
+    if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
+        return ("critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates (no fp32 master "
+                "weights); set critic.lora_r > 0 or model.dtype: float32")
+    if p.learner_gpus != 1:
+        return (f"placement.learner_gpus: expected 1 (the learner runs as one process on one GPU), found {p.learner_gpus}: "
+                "more would be reserved and left idle, 0 would never schedule")
+    if p.critic_own_gpu and p.mode != "split":
+        return f"placement.critic_own_gpu needs placement.mode=split (found {p.mode}): elsewhere the critic has no GPU of its own"
+    if p.mode == "colocated" and (r.num_engines != 1 or r.tensor_parallel_size != 1):
+        return (f"placement.mode=colocated runs one vLLM engine on the one shared GPU: expected rollout.num_engines=1 and "
+                f"rollout.tensor_parallel_size=1, found {r.num_engines} and {r.tensor_parallel_size}; use split")
+    return None
+
 
 def _describe_error(err: dict) -> str:
     loc = ".".join(str(p) for p in err["loc"])
@@ -239,6 +287,8 @@ def _describe_error(err: dict) -> str:
         return f"{loc}: unknown key"
     if kind == "value_error":
         msg = err["msg"].removeprefix("Value error, ")
+        if not loc:  # a rule across fields: the message names them
+            return msg
         return f"{loc}.{msg}" if msg.startswith("temperature") else f"{loc}: {msg}"
     return f"{loc}: {err['msg'].lower()}, found {type(found).__name__} {found!r}"
 

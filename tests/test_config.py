@@ -63,3 +63,17 @@ def test_bad_override_and_files(tmp_path):
         load_config(bad)
     assert RunConfig().rollout.temperature == 1.0
     assert yaml.safe_load(dump_config(RunConfig()))["grpo"]["kl_beta"] == 0.04
+
+
+@pytest.mark.parametrize("raw,needle", [
+    ({"model": {"load_in_4bit": True}}, "model.load_in_4bit"),
+    ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
+    ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout"),
+    ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
+    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 2}}, "rollout.num_engines=1"),
+])
+def test_rules_across_fields_are_refused_by_the_schema_itself(raw, needle):
+    # no model, data or tokenizer behind these paths: the schema alone refuses what training would
+    with pytest.raises(NlaInputError) as exc:
+        build_config(raw, "my.yaml")
+    assert str(exc.value).startswith("my.yaml: ") and needle in str(exc.value)

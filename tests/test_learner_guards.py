@@ -95,6 +95,12 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
     ({"placement": {"mode": "split", "adapter_route": "cuda_ipc"}}, "adapter_route=cuda_ipc needs placement.mode=colocated"),
     ({"injection": {"mode": "karvonen", "karvonen_layer": 2}}, r"injection.karvonen_layer: expected 0\.\.1 \(.* has 2 decoder blocks\)"),
+    ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
+    ({"placement": {"mode": "split", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
+    ({"placement": {"critic_own_gpu": True}}, "placement.critic_own_gpu needs placement.mode=split"),
+    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 2}}, "expected rollout.num_engines=1"),
+    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"tensor_parallel_size": 2}},
+     "rollout.tensor_parallel_size=1"),
 ])
 def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
     from learner.job import prepare_job

@@ -109,6 +109,6 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
 
 
 def test_split_needs_enough_gpus(ray_gpus, tiny_dir):
-    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 2, "critic_own_gpu": True}, num_engines=2)
+    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True}, num_engines=3)
     with pytest.raises(RuntimeError, match="needs 5 GPU"):
         start_services(cfg, None, _classes(ray_gpus))
