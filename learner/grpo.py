@@ -73,19 +73,28 @@ def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_e
     )
 
 
-def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04):
+def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04,
+              sample_mask=None, denominator: int | None = None):
     """GRPO loss over a batch: per token, mean over each sample's mask, mean over samples with >= 1 token.
 
     Returns ``(loss, metrics)``; ``metrics['kl_mean']`` and ``metrics['clip_frac']`` are per-sample
-    means averaged over the same samples (the reference trainer's definitions). A batch without
+    means averaged over the same samples (the reference trainer's definitions), ``samples`` their
+    count and ``loss_sum`` / ``kl_sum`` / ``clip_sum`` the sums behind the means. A batch without
     any token gives a zero loss that still back-propagates (zeros).
+
+    For a micro-batch of a larger batch: ``sample_mask[N]`` leaves samples out (as if absent) and
+    ``denominator`` replaces the count of samples the sum is divided by, so that the micro-batches'
+    losses (and gradients) add up to the whole batch's when it is the batch's count.
     """
     loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps, kl_beta)
-    n = int(has.sum())
+    use = has if sample_mask is None else has & sample_mask.to(has.device).bool()
+    n = int(use.sum())
     if n == 0:
-        return loss_n.sum() * 0.0, {"kl_mean": 0.0, "clip_frac": 0.0, "samples": 0}
-    loss = loss_n[has].sum() / n
-    return loss, {"kl_mean": float(kl_n[has].mean()), "clip_frac": float(clip_n[has].mean()), "samples": n}
+        return loss_n.sum() * 0.0, {"kl_mean": 0.0, "clip_frac": 0.0, "samples": 0, "loss_sum": 0.0, "kl_sum": 0.0,
+                                    "clip_sum": 0.0}
+    loss = loss_n[use].sum() / (n if denominator is None else denominator)
+    sums = {"loss_sum": float(loss_n[use].detach().sum()), "kl_sum": float(kl_n[use].sum()), "clip_sum": float(clip_n[use].sum())}
+    return loss, {"kl_mean": sums["kl_sum"] / n, "clip_frac": sums["clip_sum"] / n, "samples": n, **sums}
 
 
 def logprob_mismatch(rollout_logp, learner_logp, mask) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from learner.grpo import logprob_mismatch, per_sample_grpo_terms
+from learner.grpo import grpo_loss, logprob_mismatch
 from learner.policy import POLICY, REFERENCE, Policy
 
 CHECKPOINT_FORMAT = 1
@@ -196,7 +196,7 @@ class Learner:
         """
         g = self.cfg.grpo
         n = len(items)
-        kept, loss_sum, kls, clips = 0, 0.0, [], []
+        kept, loss_sum, kl_sum, clip_sum = 0, 0.0, 0.0, 0.0
         decide = keep is None
         keep = list(keep) if keep is not None else [True] * n
         mm_abs, mm_k3 = [0.0] * n, [0.0] * n
@@ -220,24 +220,21 @@ class Learner:
                 # a masked row still sits in the graph: a non-finite old logprob there would turn its
                 # zero upstream gradient into NaN (0 * NaN) for the whole step
                 old_lp = torch.where(torch.isfinite(old_lp), old_lp, new_lp.detach())
-                loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta)
-                use = row_keep & has
-                if bool(use.any()):
-                    chunk_loss = loss_n[use].sum() / n
-                    chunk_loss.backward()
-                    loss_sum += float(loss_n[use].detach().sum())
-                    kls += kl_n[use].tolist()
-                    clips += clip_n[use].tolist()
-                    kept += int(use.sum())
-            del new_lp, ref_lp, loss_n
+                # each micro-batch's loss over the batch's sample count: their gradients add up to the batch's
+                loss, m = grpo_loss(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta, sample_mask=row_keep, denominator=n)
+                if m["samples"]:
+                    loss.backward()
+                    loss_sum, kl_sum, clip_sum = loss_sum + m["loss_sum"], kl_sum + m["kl_sum"], clip_sum + m["clip_sum"]
+                    kept += m["samples"]
+            del new_lp, ref_lp, loss
         if 0 < kept < n:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(n / kept)
         out = {
             "loss": loss_sum / kept if kept else 0.0,
-            "kl_mean": sum(kls) / len(kls) if kls else 0.0,
-            "clip_frac": sum(clips) / len(clips) if clips else 0.0,
+            "kl_mean": kl_sum / kept if kept else 0.0,
+            "clip_frac": clip_sum / kept if kept else 0.0,
             "kept": kept,
             "keep": keep,
         }

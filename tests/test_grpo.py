@@ -130,3 +130,28 @@ def test_logprob_mismatch():
     d = torch.tensor([-0.1, 0.0, 0.2])
     assert k3_[0].item() == pytest.approx((torch.exp(d) - d - 1).mean().item(), abs=1e-7)
     assert k3_[1].item() == 0.0
+
+
+def test_micro_batch_losses_over_the_batch_count_add_up_to_the_batch_loss():
+    lengths = [3, 9, 1, 0, 5, 7, 2]
+    new, old, ref, adv, mask = _random_batch(4, lengths)
+    keep = torch.tensor([True, True, False, True, True, True, True])  # sample 2 masked out (a bad weight sync)
+    whole = new.float().requires_grad_(True)
+    loss, m = grpo_loss(whole, old.float(), ref.float(), adv.float(), mask, sample_mask=keep)
+    loss.backward()
+    # the same samples without sample 2 at all: the reference semantics
+    rows = [i for i in range(len(lengths)) if keep[i]]
+    ref_loss, ref_kl, _ = _loop_loss(new.float()[rows], old.float()[rows], ref.float()[rows], adv.float()[rows],
+                                     [lengths[i] for i in rows], 0.2, 0.04)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-6 and abs(m["kl_mean"] - ref_kl) <= 1e-6 and m["samples"] == 5
+    parts = new.float().detach().clone().requires_grad_(True)
+    total, sums = 0.0, {"loss_sum": 0.0, "samples": 0}
+    for chunk in ([0, 1, 2], [3, 4], [5, 6]):
+        part, pm = grpo_loss(parts[chunk], old.float()[chunk], ref.float()[chunk], adv.float()[chunk], mask[chunk],
+                             sample_mask=keep[chunk], denominator=m["samples"])
+        part.backward()
+        total += part.item()
+        sums = {"loss_sum": sums["loss_sum"] + pm["loss_sum"], "samples": sums["samples"] + pm["samples"]}
+    assert abs(total - loss.item()) <= 1e-6 and sums["samples"] == m["samples"]
+    assert abs(sums["loss_sum"] / sums["samples"] - loss.item()) <= 1e-6
+    assert torch.allclose(parts.grad, whole.grad, atol=1e-7, rtol=0) and (whole.grad[2] == 0).all()
