@@ -165,7 +165,7 @@ def main() -> int:
         prepare_vllm_env(cpu=True)
     import torch
 
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
     from learner.job import prepare_job
     from learner.reward import explanation_for
     from learner.service import Learner
@@ -201,7 +201,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     learner = Learner(cfg, job.spec, DEVICE)
-    critic = CriticService(cfg, job.spec, DEVICE)
+    critic = Critic(cfg, job.spec, DEVICE)
     res["load_s"] = time.perf_counter() - t0
     n_lora = sum(p.numel() for p in learner.params)
     res["lora_params"] = n_lora

@@ -1,21 +1,18 @@
-"""The critic as a Ray actor: ``CriticActor.options(num_cpus=..., num_gpus=...).remote(cfg, spec, device)``.
+"""The critic as a Ray actor: ``shared.actors.remote(CriticActor).options(...).remote(cfg, spec, device)``.
 
-Ray is imported only when ``CriticActor`` is first looked up, so importing this module stays cheap.
-The actor builds its ``CriticService`` inside its own process (torch, transformers and peft load
-there, on the device Ray gave it).
+A plain class (importing this module stays cheap); the actor builds its ``Critic`` inside its own
+process (torch, transformers and peft load there, on the device Ray gave it).
 """
 from __future__ import annotations
 
-from shared.actors import lazy_actor_getattr
 
-
-class CriticWorker:
-    """Forwards to a ``CriticService`` living in this process."""
+class CriticActor:
+    """Forwards to a ``critic.scoring.Critic`` living in this process."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        from critic.scoring import CriticService
+        from critic.scoring import Critic
 
-        self.service = CriticService(cfg, spec, device)
+        self.service = Critic(cfg, spec, device)
 
     def score(self, explanations, activations):
         return self.service.score(explanations, activations)
@@ -31,6 +28,3 @@ class CriticWorker:
 
     def describe(self):
         return self.service.describe()
-
-
-__getattr__ = lazy_actor_getattr(__name__, globals(), "CriticActor", CriticWorker)

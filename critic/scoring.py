@@ -51,7 +51,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class CriticService:
+class Critic:
     """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):

@@ -1,15 +1,12 @@
-"""The learner as a Ray actor.
+"""The learner as a Ray actor: ``shared.actors.remote(LearnerActor).options(...).remote(cfg, spec, device)``.
 
-``LearnerActor`` is built lazily (module ``__getattr__``) so importing this module does not import
-Ray or torch: ``LearnerActor.options(num_cpus=..., num_gpus=...).remote(cfg, spec, device)``.
+A plain class here (importing this module imports neither Ray nor torch); placement makes it remote.
 """
 from __future__ import annotations
 
-from shared.actors import lazy_actor_getattr
 
-
-class LearnerService:
-    """The actor body: a ``learner.service.Learner`` behind plain methods (Ray has no properties)."""
+class LearnerActor:
+    """A ``learner.service.Learner`` in the actor's process, behind plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
         from learner.service import Learner
@@ -62,6 +59,3 @@ class LearnerService:
 
     def version(self) -> int:
         return self.learner.version
-
-
-__getattr__ = lazy_actor_getattr(__name__, globals(), "LearnerActor", LearnerService)

@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--sidecar", help="sidecar YAML (default <parquet>.nla_meta.yaml)")
     dc.add_argument("--model", help="model/tokenizer directory (default: the sidecar's base_model when local)")
     dc.add_argument("--eval-fraction", type=float, default=0.1)
+    dc.add_argument("--config", help="a run config: also check what training on this parquet with it checks "
+                    "(its prefill, stop tokens, karvonen layer, batch size, eval rows)")
+    dc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of --config")
 
     cr = sub.add_parser("critic", help="AR checkpoints")
     csub = cr.add_subparsers(dest="critic_cmd", required=True)
@@ -59,6 +62,30 @@ def _data_tiny(args) -> int:
 
     build_tiny(out, seed=args.seed)
     print(f"wrote {out}/model, {out}/rl.parquet and its sidecar (seed {args.seed})")
+    return 0
+
+
+def _data_check(args) -> int:
+    from pathlib import Path
+
+    from shared.check import check_dataset
+
+    if args.config is None:
+        if args.set:
+            from shared.errors import NlaInputError
+
+            raise NlaInputError("data check", "--set needs --config")
+        check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
+        return 0
+    from learner.job import absolute_paths, prepare_job
+    from shared.config import load_config
+
+    here = [f"data.parquet={Path(args.parquet).resolve()}"]
+    here += [f"data.sidecar={Path(args.sidecar).resolve()}"] if args.sidecar else []
+    here += [f"model.path={Path(args.model).resolve()}"] if args.model else []
+    cfg = absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd())
+    prepare_job(cfg, log=lambda m: print(m, file=sys.stderr))
+    check_dataset(cfg.data.parquet, cfg.data.sidecar, cfg.model.path, cfg.data.eval_fraction, prefill=cfg.rollout.prefill)
     return 0
 
 
@@ -144,10 +171,7 @@ def main(argv=None) -> int:
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
         if args.cmd == "data" and args.data_cmd == "check":
-            from shared.check import check_dataset
-
-            check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
-            return 0
+            return _data_check(args)
         if args.cmd == "train":
             return _train(args)
         if args.cmd == "config" and args.config_cmd == "check":

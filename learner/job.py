@@ -4,7 +4,6 @@ A bad config or bad data stops here with the foundation's one-line errors.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
 
     from shared.check import load_tokenizer, model_config_field, model_hidden_size
     from shared.data import read_rows, split_eval
-    from shared.prompts import as_ids, find_marker_site, render_av_ids
+    from shared.prompts import as_ids, prompt_table
     from shared.schema import fve_baselines
     from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 
@@ -75,25 +74,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if cfg.logging.eval_every and len(ev) == 0:
         raise NlaInputError(cfg.data.parquet, "no eval rows (raise data.eval_fraction or set logging.eval_every=0)")
 
-    cache: dict[str, int] = {}
-    prompt_ids: list = []
-
-    def index(rs) -> np.ndarray:
-        out = np.zeros(len(rs), dtype=np.int64)
-        for i, prompt in enumerate(rs.prompts):
-            key = json.dumps(prompt, sort_keys=True)
-            if key not in cache:
-                ids = render_av_ids(tok, prompt, spec.marker, cfg.rollout.prefill)
-                try:
-                    site = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
-                except ValueError as exc:
-                    raise NlaInputError(cfg.data.parquet, f"row {int(rs.row_ids[i])}, column 'prompt': {exc}") from None
-                cache[key] = len(prompt_ids)
-                prompt_ids.append((ids, site))
-            out[i] = cache[key]
-        return out
-
-    pi_train, pi_eval = index(train), index(ev)
+    prompt_ids, (pi_train, pi_eval) = prompt_table([train, ev], tok, spec, cfg.rollout.prefill, cfg.data.parquet)
     golds = torch.from_numpy(train.activations[: cfg.data.fve_baseline_rows])
     meannorm, rawvar = fve_baselines(golds, spec.mse_scale)
     log(f"[data] {len(train)} training rows, {len(ev)} eval rows (document-disjoint), d={spec.d_model}; "

@@ -56,18 +56,22 @@ class Services:
 def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> Services:
     """Create the rollout engine actors, the learner and the critic, placed as ``cfg.placement`` says.
 
-    ``actor_classes`` = (rollout, learner, critic) Ray actor classes; the real services by default.
+    ``actor_classes`` = (rollout, learner, critic) actor classes (plain classes, made remote here);
+    ``RolloutActor``, ``LearnerActor`` and ``CriticActor`` by default.
     """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from shared.actors import remote
+
     if actor_classes is None:
         from critic.actor import CriticActor
         from learner.actor import LearnerActor
         from rollout.actor import RolloutActor
-    else:
-        RolloutActor, LearnerActor, CriticActor = actor_classes
+
+        actor_classes = (RolloutActor, LearnerActor, CriticActor)
+    RolloutActor, LearnerActor, CriticActor = (remote(c) for c in actor_classes)
 
     mode, backend = cfg.placement.mode, cfg.rollout.backend
     if mode == "cpu":

@@ -4,5 +4,4 @@
 - ``vllm_engine`` / ``hf_engine``: the two backends; ``actor``: the Ray actor and ``make_engine``;
 - ``transport``: how adapter versions reach vLLM (file or in-memory); ``vllm_private``: the one
   place that touches vLLM internals; ``embeddings``: reads only ``embed_tokens`` from a checkpoint;
-- ``testing``: tiny-model requests and random adapters for tests and parity checks.
 """

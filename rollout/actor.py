@@ -1,12 +1,11 @@
-"""The rollout service as a Ray actor, and the backend choice.
+"""The rollout engine as a Ray actor, and the backend choice.
 
-``RolloutActor`` is created lazily (module ``__getattr__``) so importing this module does not import
-Ray: ``RolloutActor.options(num_cpus=..., num_gpus=...).remote(cfg, spec, backend, device)``.
+``RolloutActor`` is a plain class (importing this module does not import Ray); placement makes it
+remote: ``shared.actors.remote(RolloutActor).options(...).remote(cfg, spec, backend, device)``.
 """
 from __future__ import annotations
 
 from rollout.engine import RolloutEngine
-from shared.actors import lazy_actor_getattr
 from shared.types import AdapterUpdate, PromptRequest, Sample
 
 BACKENDS = ("vllm", "hf")
@@ -26,8 +25,8 @@ def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None) -> R
     raise ValueError(f"rollout backend: expected one of {BACKENDS}, found {backend!r}")
 
 
-class RolloutService:
-    """The actor body: one engine, the RolloutEngine calls as plain methods (Ray has no properties)."""
+class RolloutActor:
+    """One engine in the actor's process, the RolloutEngine calls as plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu"):
         self.engine = make_engine(cfg, spec, device, backend)
@@ -64,6 +63,3 @@ class RolloutService:
 
     def close(self) -> None:
         self.engine.close()
-
-
-__getattr__ = lazy_actor_getattr(__name__, globals(), "RolloutActor", RolloutService)

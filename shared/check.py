@@ -43,10 +43,11 @@ def resolve_model_dir(spec, model_dir: str | None) -> Path:
     return found
 
 
-def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | None = None, eval_fraction: float = 0.1, out=sys.stdout) -> dict:
-    """Validate everything a run needs from the data; return and print a summary."""
+def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | None = None, eval_fraction: float = 0.1,
+                  out=sys.stdout, prefill: str = "") -> dict:
+    """Validate everything a run needs from the data (prompts rendered with ``prefill``); return and print a summary."""
     from shared.data import open_parquet, read_rows, split_eval
-    from shared.prompts import find_marker_site, render_av_ids
+    from shared.prompts import prompt_table
     from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 
     open_parquet(parquet)
@@ -63,22 +64,12 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
             print(f"  read {done}/{total} rows", file=out, flush=True)
 
     rows = read_rows(parquet, spec.d_model, progress=progress)
-    seen: dict[str, int] = {}
-    for i, prompt in enumerate(rows.prompts):
-        key = json.dumps(prompt, sort_keys=True)
-        if key in seen:
-            continue
-        seen[key] = i
-        ids = render_av_ids(tok, prompt, spec.marker)
-        try:
-            find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
-        except ValueError as exc:
-            raise NlaInputError(parquet, f"row {i}, column 'prompt': {exc}") from None
+    table, _ = prompt_table([rows], tok, spec, prefill, parquet)
     train, ev = split_eval(rows, eval_fraction)
     summary = {
         "rows": len(rows), "d_model": spec.d_model, "layer_index": spec.layer_index,
         "documents": len(set(rows.doc_ids)), "train_rows": len(train), "eval_rows": len(ev),
-        "distinct_prompts": len(seen), "marker": spec.marker, "marker_id": spec.marker_id,
+        "distinct_prompts": len(table), "marker": spec.marker, "marker_id": spec.marker_id,
         "neighbour_ids": [spec.left_id, spec.right_id], "injection_scale": spec.injection_scale_raw,
         "mse_scale": spec.mse_scale_raw, "model": str(mdir),
     }

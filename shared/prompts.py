@@ -79,3 +79,36 @@ def render_critic_text(template: str, explanation: str) -> str:
 
 def render_critic_ids(tokenizer, template: str, explanation: str) -> list[int]:
     return as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
+
+
+def prompt_table(row_sets, tokenizer, spec, prefill: str, source) -> tuple[list[tuple[list[int], int]], list]:
+    """Render each distinct prompt of ``row_sets`` (``RlRows``) once: ``(table, indices)``.
+
+    ``table[k] = (ids, marker site)``; ``indices[j][i]`` is the table entry of row ``i`` of
+    ``row_sets[j]``. A prompt whose marker is not one valid site stops with a line naming ``source``
+    and the row. Training and ``data check`` both call this, so they render and refuse alike.
+    """
+    import json
+
+    import numpy as np
+
+    from shared.errors import NlaInputError
+
+    seen: dict[str, int] = {}
+    table: list[tuple[list[int], int]] = []
+    indices = []
+    for rows in row_sets:
+        out = np.zeros(len(rows), dtype=np.int64)
+        for i, prompt in enumerate(rows.prompts):
+            key = json.dumps(prompt, sort_keys=True)
+            if key not in seen:
+                ids = render_av_ids(tokenizer, prompt, spec.marker, prefill)
+                try:
+                    site = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
+                except ValueError as exc:
+                    raise NlaInputError(source, f"row {int(rows.row_ids[i])}, column 'prompt': {exc}") from None
+                seen[key] = len(table)
+                table.append((ids, site))
+            out[i] = seen[key]
+        indices.append(out)
+    return table, indices

@@ -40,3 +40,40 @@ def test_what_training_checks_in_the_files_is_checked_too(tiny_dir, tmp_path):
     assert _refused(res, "injection.karvonen_layer: expected 0..1"), res.stderr
     res = run_cli("config", "check", tmp_path / "missing.yaml")
     assert _refused(res, "config file not found"), res.stderr
+
+
+def test_data_check_with_a_config_checks_what_training_checks(tiny_dir):
+    plain = run_cli("data", "check", tiny_dir / "rl.parquet")
+    assert plain.returncode == 0, plain.stderr
+    good = run_cli("data", "check", tiny_dir / "rl.parquet", "--config", ROOT / "deploy/tiny.yaml",
+                   "--model", tiny_dir / "model")
+    assert good.returncode == 0 and "ok:" in good.stdout, good.stderr
+    # a stop token the tokenizer splits: the data alone is fine, training with this config is not
+    bad = run_cli("data", "check", tiny_dir / "rl.parquet", "--config", ROOT / "deploy/tiny.yaml",
+                  "--model", tiny_dir / "model", "--set", "rollout.extra_stop_tokens=['two words']")
+    assert _refused(bad, "rollout.extra_stop_tokens: expected 'two words' to be one token"), bad.stderr
+    assert _refused(run_cli("data", "check", tiny_dir / "rl.parquet", "--set", "grpo.steps=3"), "--set needs --config")
+
+
+def test_training_and_data_check_render_the_same_prompt_table(tiny_dir):
+    from learner.job import prepare_job
+    from shared.check import load_tokenizer
+    from shared.config import build_config
+    from shared.data import read_rows
+    from shared.prompts import prompt_table
+    from shared.spec import load_spec, sidecar_path
+
+    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+                        "rollout": {"prefill": "<explanation>"}}, "t")
+    job = prepare_job(cfg, log=lambda m: None)
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    table, (idx,) = prompt_table([job.train], load_tokenizer(tiny_dir / "model"), spec, "<explanation>", "t")
+    assert table == job.prompt_ids[: len(table)] and (idx == job.prompt_index_train).all()
+    rows = read_rows(tiny_dir / "rl.parquet", spec.d_model, max_rows=4)
+    rows.prompts[2] = [{"role": "user", "content": "no marker here"}]
+    import pytest
+
+    from shared.errors import NlaInputError
+
+    with pytest.raises(NlaInputError, match=r"t: row 2, column 'prompt'"):
+        prompt_table([rows], load_tokenizer(tiny_dir / "model"), spec, "", "t")

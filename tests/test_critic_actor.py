@@ -15,7 +15,8 @@ def test_actor_matches_in_process(tiny_dir, tmp_path):
     import ray
 
     from critic.actor import CriticActor
-    from critic.scoring import CriticService
+    from shared.actors import remote
+    from critic.scoring import Critic
 
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
     cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
@@ -24,10 +25,10 @@ def test_actor_matches_in_process(tiny_dir, tmp_path):
     topics = json.loads((tiny_dir / "topics.json").read_text())[:8]
     explanations = [None if i == 2 else f"{t} " * (1 + i % 3) for i, t in enumerate(topics)]
 
-    local = CriticService(cfg, spec)
+    local = Critic(cfg, spec)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        actor = CriticActor.options(num_cpus=1, num_gpus=0).remote(cfg, spec, "cpu")
+        actor = remote(CriticActor).options(num_cpus=1, num_gpus=0).remote(cfg, spec, "cpu")
         remote_scores = ray.get(actor.score.remote(explanations, golds))
         local_scores = local.score(explanations, golds)
         assert remote_scores[2] is None and local_scores[2] is None
@@ -41,7 +42,7 @@ def test_actor_matches_in_process(tiny_dir, tmp_path):
         assert remote_step["critic_loss"] == pytest.approx(local_step["critic_loss"], abs=1e-5)
 
         ray.get(actor.save.remote(str(tmp_path / "ck")))
-        reloaded = CriticService(cfg, spec)
+        reloaded = Critic(cfg, spec)
         reloaded.load(tmp_path / "ck", require_optimizer=True)
         after = ray.get(actor.score.remote(explanations, golds))
         for a, b in zip(after, reloaded.score(explanations, golds)):

@@ -56,7 +56,7 @@ def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None):
 
 
 def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
 
     ref, ar = _write_reference(tmp_path, tiny_dir)
     out = tmp_path / "critic"
@@ -66,7 +66,7 @@ def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
     cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
                         "critic": {"checkpoint": str(out), "lora_r": 4, "lora_alpha": 8}})
-    service = CriticService(cfg, spec)
+    service = Critic(cfg, spec)
     assert len(service.model.backbone.layers) == 1
     ids = service.encode(["moss and pine trees on a hill"])[0]
     x = torch.tensor([ids])

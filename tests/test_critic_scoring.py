@@ -38,9 +38,9 @@ def _golds(tiny_dir, n):
 
 @pytest.fixture(scope="module")
 def service(tiny_dir):
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
 
-    return CriticService(_cfg(tiny_dir, micro_batch=len(EXPLANATIONS)), _spec(tiny_dir))
+    return Critic(_cfg(tiny_dir, micro_batch=len(EXPLANATIONS)), _spec(tiny_dir))
 
 
 def test_backbone_is_truncated_and_unnormed(service):
@@ -72,10 +72,10 @@ def test_identity_head_at_init_predicts_normalised_hidden_state(tiny_dir, num_la
     """Prediction = the residual stream after block num_layers-1 (pre final norm), normalised."""
     from transformers import AutoModelForCausalLM
 
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
 
     spec = _spec(tiny_dir)
-    critic = CriticService(_cfg(tiny_dir, num_layers=num_layers, micro_batch=4), spec)
+    critic = Critic(_cfg(tiny_dir, num_layers=num_layers, micro_batch=4), spec)
     full = AutoModelForCausalLM.from_pretrained(str(tiny_dir / "model"), dtype=torch.float32).eval()
     captured = {}
 

@@ -31,9 +31,9 @@ def _batch(tiny_dir):
 
 
 def _service(tiny_dir, **critic):
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
 
-    return CriticService(_cfg(tiny_dir, **critic), _spec(tiny_dir))
+    return Critic(_cfg(tiny_dir, **critic), _spec(tiny_dir))
 
 
 def _mean_mse(service, explanations, golds):
@@ -142,9 +142,9 @@ def test_save_load_is_bit_identical_and_resumes_exactly(tiny_dir, tmp_path, lora
     _assert_same(_weights(restored), _weights(trained))
 
     # the config route (critic.checkpoint) loads the same weights
-    from critic.scoring import CriticService
+    from critic.scoring import Critic
 
-    via_cfg = CriticService(_cfg(tiny_dir, lora_r=lora_r, checkpoint=str(tmp_path / "ck")), _spec(tiny_dir))
+    via_cfg = Critic(_cfg(tiny_dir, lora_r=lora_r, checkpoint=str(tmp_path / "ck")), _spec(tiny_dir))
     assert torch.equal(via_cfg.predict_ids(ids), _service_pred_after_load(tiny_dir, lora_r, tmp_path / "ck", ids))
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from rollout.testing import tiny_config, tiny_requests
+from rollout_support import tiny_config, tiny_requests
 from shared.config import build_config
 from shared.spec import load_spec, sidecar_path
 

@@ -286,12 +286,22 @@ def test_bad_inputs_are_clear_errors(tiny_dir, rollouts):
 
 
 def test_actor_class_is_built_lazily():
-    import learner.actor as actor_module
+    import subprocess
+    import sys
 
-    cls = actor_module.LearnerActor
-    assert hasattr(cls, "options") and hasattr(cls, "remote")
+    import learner.actor as actor_module
+    from conftest import ROOT
+    from shared.actors import remote
+
     for method in ("update", "logprobs", "export_adapter", "save", "load"):
-        assert hasattr(actor_module.LearnerService, method)
+        assert hasattr(actor_module.LearnerActor, method)
+    cls = remote(actor_module.LearnerActor)
+    assert hasattr(cls, "options") and hasattr(cls, "remote") and remote(actor_module.LearnerActor) is cls
+    # the actor modules themselves import neither Ray nor torch
+    probe = ("import sys, learner.actor, rollout.actor, critic.actor; "
+             "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_adapter_init_from_a_peft_directory_sets_policy_and_reference(tiny_dir, rollouts, tmp_path):

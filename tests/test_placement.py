@@ -65,7 +65,7 @@ def _cfg(tiny_dir, placement, **rollout):
 
 
 def _classes(ray):
-    return ray.remote(WhereRollout), ray.remote(WhereLearner), ray.remote(WhereCritic)
+    return WhereRollout, WhereLearner, WhereCritic
 
 
 def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):

@@ -1,7 +1,7 @@
 """The rollout service through a Ray actor behaves exactly as the engine in-process."""
 import pytest
 
-from rollout.testing import tiny_config, tiny_requests, update_for
+from rollout_support import tiny_config, tiny_requests, update_for
 from shared.spec import load_spec, sidecar_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -24,12 +24,13 @@ def test_actor_matches_in_process_engine(ray_session, tiny_dir, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")
     from rollout.actor import RolloutActor, make_engine
+    from shared.actors import remote
 
     ray = ray_session
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = tiny_config(tiny_dir, group_size=4, max_new_tokens=16)
     local = make_engine(cfg, spec, "cpu", backend)
-    actor = RolloutActor.options(num_cpus=1, num_gpus=0).remote(cfg, spec, backend, "cpu")
+    actor = remote(RolloutActor).options(num_cpus=1, num_gpus=0).remote(cfg, spec, backend, "cpu")
     try:
         reqs = tiny_requests(tiny_dir / "rl.parquet", spec, local.tokenizer, 3, prefill=cfg.rollout.prefill)
         assert ray.get(actor.adapter_version.remote(), timeout=300) == 0

@@ -104,7 +104,7 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from rollout.testing import random_adapter_update
+    from rollout_support import random_adapter_update
     from rollout.transport import ADAPTER_CONFIG, jsonable_peft_config, write_adapter_dir
 
     update = random_adapter_update(tiny_dir / "model", 1, seed=0, r=8, alpha=16, target_modules=["q_proj", "down_proj"])

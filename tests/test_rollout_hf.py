@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rollout.testing import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
+from rollout_support import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
 from shared.spec import load_spec, sidecar_path
 
 PARITY_ATOL = 1e-4

@@ -1,7 +1,7 @@
 """The file adapter route (PEFT directory in a node-local temp dir): delivery, parity, retirement."""
 import pytest
 
-from rollout.testing import max_abs_diff, tiny_config, tiny_requests, update_for
+from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for
 from shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")

@@ -3,7 +3,7 @@ batch, no injection on request, and after an adapter push."""
 import pytest
 import torch
 
-from rollout.testing import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
+from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
 from shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")

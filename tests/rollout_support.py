@@ -1,4 +1,4 @@
-"""Building blocks for rollout tests and parity checks (tiny model only; nothing here runs in training).
+"""Building blocks for the rollout tests and parity checks (tiny model only; not part of the package).
 
 - ``tiny_requests``: ``PromptRequest``s rendered from the tiny dataset exactly as the driver does;
 - ``random_adapter_update``: a PEFT LoRA on the model with random non-zero ``lora_B`` (fixed seed),
