@@ -17,7 +17,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -138,7 +137,7 @@ def main() -> int:
                 step_benchmark.sync()
             key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
             Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
-        del learner
+        learner = None  # free the GPU before the next variant
         if dev == "cuda":
             torch.cuda.empty_cache()
     base = res["variants"].get("padded")

@@ -13,12 +13,12 @@ and nothing else may be, so a renamed key can never leave a randomly initialised
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from shared import fileio
 from shared.errors import NlaInputError
 
 META_NAME = "critic_meta.json"
@@ -79,57 +79,19 @@ def read_meta(ckpt_dir: str | Path) -> CriticMeta:
     return meta
 
 
-def read_json_object(path: Path, missing: str = "file not found") -> dict:
-    """A JSON object from ``path``, or a one-line error naming the file."""
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NlaInputError(path, missing) from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise NlaInputError(path, "not valid JSON") from None
-    if not isinstance(raw, dict):
-        raise NlaInputError(path, "expected a JSON object")
-    return raw
-
-
-def _write_atomic(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    from safetensors.torch import save_file
-
-    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    _write_atomic(path, lambda tmp: save_file(flat, str(tmp), metadata={"format": "pt"}))
-
-
-def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    if not path.is_file():
-        raise NlaInputError(path, "file not found")
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path), device="cpu")
-    except (SafetensorError, OSError) as exc:
-        raise NlaInputError(path, f"not a readable safetensors file ({exc})") from None
-
-
 def save_weights(ckpt_dir: str | Path, model, meta: CriticMeta) -> None:
     """Trainable tensors then the meta file (written last: its presence marks a complete save)."""
     d = Path(ckpt_dir)
     d.mkdir(parents=True, exist_ok=True)
     params = dict(model.named_parameters())
-    _save_tensors({n: params[n] for n in model.trainable_names()}, d / WEIGHTS_NAME)
-    _write_atomic(d / META_NAME, lambda tmp: tmp.write_text(json.dumps(asdict(meta), indent=2) + "\n", encoding="utf-8"))
+    fileio.save_tensors(d / WEIGHTS_NAME, {n: params[n] for n in model.trainable_names()})
+    fileio.write_json(d / META_NAME, asdict(meta))
 
 
 def load_weights(ckpt_dir: str | Path, model) -> None:
     """Copy the checkpoint's tensors into ``model``; any missing, extra or misshapen key is an error."""
     path = Path(ckpt_dir) / WEIGHTS_NAME
-    tensors = _load_tensors(path)
+    tensors = fileio.load_tensors(path)
     expected = model.trainable_names()
     missing = [k for k in expected if k not in tensors]
     if missing:
@@ -153,45 +115,10 @@ def has_optimizer_state(ckpt_dir: str | Path) -> bool:
 
 
 def save_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> None:
-    """``optimizer.state_dict()`` split into tensors (safetensors) and the rest (JSON)."""
-    d = Path(ckpt_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    sd = optimizer.state_dict()
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict] = {}
-    for idx, entry in sd["state"].items():
-        for key, val in entry.items():
-            if isinstance(val, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = val
-            else:
-                scalars.setdefault(str(idx), {})[key] = val
-    rest = {"optimizer": type(optimizer).__name__, "param_names": list(param_names),
-            "param_groups": sd["param_groups"], "state_scalars": scalars}
-    _save_tensors(tensors, d / OPTIM_TENSORS_NAME)
-    _write_atomic(d / OPTIM_META_NAME, lambda tmp: tmp.write_text(json.dumps(rest, indent=1) + "\n", encoding="utf-8"))
+    """``optimizer.state_dict()`` split into tensors (safetensors) and the rest (JSON), as the learner's."""
+    fileio.save_optimizer(ckpt_dir, optimizer, param_names, OPTIM_TENSORS_NAME, OPTIM_META_NAME)
 
 
 def load_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> None:
     """Restore a state saved by ``save_optimizer``; the optimiser kind and parameter list must match."""
-    d = Path(ckpt_dir)
-    meta_path = d / OPTIM_META_NAME
-    rest = read_json_object(meta_path)
-    if rest.get("optimizer") != type(optimizer).__name__:
-        raise NlaInputError(meta_path, f"optimizer: expected {type(optimizer).__name__}, found {rest.get('optimizer')!r}")
-    saved_names = rest.get("param_names")
-    if saved_names != list(param_names):
-        diff = next((a for a, b in zip(saved_names or [], param_names) if a != b), None)
-        raise NlaInputError(meta_path, f"param_names: do not match the critic's trainable tensors (first difference {diff!r}, "
-                                       f"{len(saved_names or [])} saved vs {len(param_names)} now)")
-    tensors = _load_tensors(d / OPTIM_TENSORS_NAME)
-    state: dict[int, dict] = {}
-    for key, val in tensors.items():
-        _, idx, name = key.split(".", 2)
-        state.setdefault(int(idx), {})[name] = val
-    for idx, entry in rest.get("state_scalars", {}).items():
-        state.setdefault(int(idx), {}).update(entry)
-    groups = rest["param_groups"]
-    for g in groups:
-        if isinstance(g.get("betas"), list):
-            g["betas"] = tuple(g["betas"])
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    fileio.load_optimizer(ckpt_dir, optimizer, param_names, OPTIM_TENSORS_NAME, OPTIM_META_NAME, what="critic")

@@ -14,17 +14,16 @@ norm) stop with one line instead of a silently different reward model.
 """
 from __future__ import annotations
 
-import json
 import re
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from critic.checkpoint import META_NAME, WEIGHTS_NAME, CriticMeta, _load_tensors, _save_tensors, _write_atomic, read_json_object
+from critic.checkpoint import META_NAME, WEIGHTS_NAME, CriticMeta
 from critic.model import base_config
 from shared.errors import NlaInputError
+from shared.fileio import atomic_directory, load_tensors, read_json_object, save_tensors, write_json
 
 REFERENCE_META = "ar_meta.json"
 REFERENCE_WEIGHTS = "ar_lora_value_head.safetensors"
@@ -82,7 +81,7 @@ def import_reference_ar(ar_dir: str | Path, out_dir: str | Path, model_dir: str 
         raise NlaInputError(out_dir, "already exists (choose a new directory)")
     meta = _read_reference_meta(ar_dir / REFERENCE_META)
     weights_path = ar_dir / REFERENCE_WEIGHTS
-    tensors = _load_tensors(weights_path)
+    tensors = load_tensors(weights_path)
     shapes = _critic_shapes(model_dir, meta)
     if "value_head.weight" not in tensors:
         raise NlaInputError(weights_path, "value_head.weight: missing (not an AR-LoRA file?)")
@@ -103,14 +102,7 @@ def import_reference_ar(ar_dir: str | Path, out_dir: str | Path, model_dir: str 
     result = CriticMeta(num_layers=meta["ar_num_layers"], d_model=shapes["value_head.bias"][0], lora_r=meta["lora_r"],
                         lora_alpha=meta["lora_alpha"], use_rslora=True, target_modules=list(meta["target_modules"]),
                         base_model=str(model_dir), dtype="float32")
-    tmp = out_dir.with_name(out_dir.name + ".importing")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        _save_tensors(ours, tmp / WEIGHTS_NAME)
-        _write_atomic(tmp / META_NAME, lambda p: p.write_text(json.dumps(asdict(result), indent=2) + "\n", encoding="utf-8"))
-        tmp.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with atomic_directory(out_dir) as tmp:
+        save_tensors(tmp / WEIGHTS_NAME, ours)
+        write_json(tmp / META_NAME, asdict(result))
     return result

@@ -6,23 +6,18 @@ so a run killed at any moment leaves either the whole checkpoint or none of it.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
 
 from shared.config import RunConfig, dump_config, load_config
 from shared.errors import NlaInputError
+from shared.fileio import jsonable, write_text
 
 
 def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
+    """Strict JSON lines: NaN / inf become null."""
+    return jsonable(obj, nonfinite=None)
 
 
 class RunDir:
@@ -40,9 +35,7 @@ class RunDir:
         if run.path.exists() and any(run.path.iterdir()):
             raise NlaInputError(run.path, "run directory exists and is not empty (use --resume to continue it)")
         run.checkpoints.mkdir(parents=True, exist_ok=True)
-        tmp = run.path / ".config.yaml.tmp"
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, run.path / "config.yaml")
+        write_text(run.path / "config.yaml", dump_config(cfg))
         return run
 
     @classmethod
@@ -56,9 +49,7 @@ class RunDir:
         return load_config(self.path / "config.yaml", overrides)
 
     def save_config(self, cfg: RunConfig) -> None:
-        tmp = self.path / ".config.yaml.tmp"
-        tmp.write_text(dump_config(cfg))
-        os.replace(tmp, self.path / "config.yaml")
+        write_text(self.path / "config.yaml", dump_config(cfg))
 
     # ---- logs ----
     def append_metrics(self, row: dict) -> None:
@@ -93,9 +84,7 @@ class RunDir:
                         keep.append(line)
                 except json.JSONDecodeError:
                     break
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(l + "\n" for l in keep))
-            os.replace(tmp, path)
+            write_text(path, "".join(l + "\n" for l in keep))
 
     # ---- checkpoints ----
     def checkpoint_tmp(self, step: int) -> Path:

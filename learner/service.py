@@ -319,7 +319,7 @@ class Learner:
 
     # ---- export and checkpoints ------------------------------------------------------------------
     def _peft_config(self, name: str) -> dict:
-        from learner.checkpoint import jsonable
+        from shared.fileio import jsonable
 
         return jsonable(self.model.peft_config[name].to_dict())
 
@@ -333,7 +333,7 @@ class Learner:
         """
         from peft import get_peft_model_state_dict
 
-        from learner.checkpoint import cpu_copy
+        from shared.fileio import cpu_copy
         from shared.types import AdapterUpdate
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
@@ -352,30 +352,24 @@ class Learner:
 
     def save(self, directory) -> Path:
         """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""
-        from safetensors.torch import save_file
-
-        from learner.checkpoint import atomic_directory, capture_rng, cpu_copy, split_optimizer_state, write_json
+        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_json
 
         with atomic_directory(directory) as tmp:
             for name, sub in ((POLICY, "policy"), (REFERENCE, "reference")):
                 (tmp / sub).mkdir()
-                tensors = {k: cpu_copy(p) for k, p in self.policy.adapter_parameters(name).items()}
-                save_file(tensors, str(tmp / sub / ADAPTER_FILE), metadata={"format": "pt"})
+                save_tensors(tmp / sub / ADAPTER_FILE, self.policy.adapter_parameters(name))
                 write_json(tmp / sub / ADAPTER_CONFIG, self._peft_config(name))
-            opt_tensors, opt_meta = split_optimizer_state(self.optimizer.state_dict())
-            save_file(opt_tensors, str(tmp / OPTIMIZER_TENSORS))
-            write_json(tmp / OPTIMIZER_META, {**opt_meta, "param_names": self.param_names,
-                                              "optimizer": type(self.optimizer).__name__})
-            save_file({k: cpu_copy(v) for k, v in capture_rng().items()}, str(tmp / RNG_FILE))
+            save_optimizer(tmp, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META)
+            save_tensors(tmp / RNG_FILE, capture_rng())
             write_json(tmp / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
                                           "injection_mode": self.cfg.injection.mode,
                                           "micro_batch_tokens": self.micro_batch_tokens})
         return Path(directory)
 
     def _load_adapter(self, name: str, path: Path) -> None:
-        from safetensors.torch import load_file
+        from shared.fileio import load_tensors
 
-        tensors = load_file(str(path))
+        tensors = load_tensors(path)
         live = self.policy.adapter_parameters(name)
         if set(tensors) != set(live):
             missing, extra = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
@@ -388,27 +382,23 @@ class Learner:
 
     def load(self, directory) -> None:
         """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
-        from safetensors.torch import load_file
-
-        from learner.checkpoint import join_optimizer_state, read_json, restore_rng
+        from shared.fileio import load_optimizer, load_tensors, read_json_object, restore_rng
 
         d = Path(directory)
         if not (d / STATE_FILE).is_file():
             raise FileNotFoundError(f"{d}: not a learner checkpoint (no {STATE_FILE})")
-        state = read_json(d / STATE_FILE)
+        state = read_json_object(d / STATE_FILE)
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"{d / STATE_FILE}: expected format {CHECKPOINT_FORMAT}, found {state.get('format')!r}")
         if state.get("injection_mode") != self.cfg.injection.mode:
             raise ValueError(f"{d / STATE_FILE}: saved with injection mode {state.get('injection_mode')!r}, "
                              f"this run uses {self.cfg.injection.mode!r}")
-        meta = read_json(d / OPTIMIZER_META)
-        if meta["param_names"] != self.param_names:
-            raise ValueError(f"{d / OPTIMIZER_META}: optimiser parameters do not match this model's adapter")
+        # first: it checks that the saved parameters are this adapter's before anything is overwritten
+        load_optimizer(d, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
         self._load_adapter(POLICY, d / "policy" / ADAPTER_FILE)
         # the reference is the run's initial adapter: restored from the checkpoint, never trained
         self._load_adapter(REFERENCE, d / "reference" / ADAPTER_FILE)
-        self.optimizer.load_state_dict(join_optimizer_state(load_file(str(d / OPTIMIZER_TENSORS)), meta))
-        restore_rng(load_file(str(d / RNG_FILE)))
+        restore_rng(load_tensors(d / RNG_FILE))
         self.step, self.version = int(state["step"]), int(state["version"])
         # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)
         self.micro_batch_tokens = state.get("micro_batch_tokens")

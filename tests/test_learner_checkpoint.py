@@ -5,18 +5,23 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from learner.checkpoint import atomic_directory, join_optimizer_state, jsonable, split_optimizer_state
+from shared.fileio import atomic_directory, join_optimizer_state, jsonable, split_optimizer_state
 
 
-def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
-    import json
-
+def _trained_adamw():
     params = [torch.nn.Parameter(torch.randn(3, 2)), torch.nn.Parameter(torch.randn(4))]
     opt = torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     for _ in range(2):
         sum((p ** 2).sum() for p in params).backward()
         opt.step()
         opt.zero_grad()
+    return params, opt
+
+
+def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
+    import json
+
+    params, opt = _trained_adamw()
     tensors, meta = split_optimizer_state(opt.state_dict())
     save_file(tensors, str(tmp_path / "o.safetensors"))
     (tmp_path / "o.json").write_text(json.dumps(meta))
@@ -52,3 +57,67 @@ def test_atomic_directory_keeps_the_old_one_on_failure(tmp_path):
     with atomic_directory(target) as d:
         (d / "a.txt").write_text("three")
     assert (target / "a.txt").read_text() == "three" and [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_one_optimizer_format_for_learner_and_critic_and_the_critics_older_files_load(tmp_path):
+    import json
+
+    from shared.fileio import load_optimizer, save_optimizer
+
+    _, opt = _trained_adamw()
+    save_optimizer(tmp_path / "new", opt, ["a", "b"], "opt.safetensors", "opt.json")
+    fresh_params = [torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))]
+    fresh = torch.optim.AdamW(fresh_params, lr=1.0)
+    load_optimizer(tmp_path / "new", fresh, ["a", "b"], "opt.safetensors", "opt.json")
+    assert fresh.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95)
+    assert torch.equal(fresh.state_dict()["state"][1]["exp_avg"], opt.state_dict()["state"][1]["exp_avg"])
+    with pytest.raises(Exception, match="param_names: do not match the model's trainable tensors"):
+        load_optimizer(tmp_path / "new", fresh, ["a", "c"], "opt.safetensors", "opt.json")
+    # the critic's earlier layout: scalars under "state_scalars", betas written as a JSON list
+    sd = opt.state_dict()
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({f"state.{i}.{k}": v for i, e in sd["state"].items() for k, v in e.items() if torch.is_tensor(v)},
+              str(old / "opt.safetensors"))
+    (old / "opt.json").write_text(json.dumps({
+        "optimizer": "AdamW", "param_names": ["a", "b"], "param_groups": [dict(g, betas=list(g["betas"])) for g in sd["param_groups"]],
+        "state_scalars": {}}))
+    again = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))], lr=1.0)
+    load_optimizer(old, again, ["a", "b"], "opt.safetensors", "opt.json")
+    assert again.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95) and again.param_groups[0]["lr"] == 1e-3
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    from shared.fileio import atomic_write, write_json
+
+    target = tmp_path / "meta.json"
+    write_json(target, {"a": 1, "t": (1, 2)})
+    assert json_load(target) == {"a": 1, "t": [1, 2]}
+
+    def broken(tmp):
+        tmp.write_text("half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(target, broken)
+    assert json_load(target)["a"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+
+
+def json_load(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
+def test_strict_json_lines_and_clear_tensor_file_errors(tmp_path):
+    from shared.errors import NlaInputError
+    from shared.fileio import load_tensors
+
+    assert jsonable({"x": float("inf"), "y": [1.0, float("nan")]}, nonfinite=None) == {"x": None, "y": [1.0, None]}
+    kept = jsonable({"x": float("inf")})
+    assert kept["x"] == float("inf")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a tensor file")
+    with pytest.raises(NlaInputError, match="not a readable safetensors file"):
+        load_tensors(tmp_path / "bad.safetensors")
+    with pytest.raises(NlaInputError, match="file not found"):
+        load_tensors(tmp_path / "none.safetensors")

@@ -1,6 +1,5 @@
 """The packed update (shared-prefix rows, fused LoRA, chunked head) against the padded one on the tiny model (fp32)."""
 import pytest
-import torch
 
 from learner.policy import POLICY, REFERENCE
 from learner.service import Learner

@@ -1,0 +1,212 @@
+"""File I/O every service shares: atomic writes, JSON-safe metadata, safetensors with one-line errors,
+optimiser state and RNG as tensors + JSON. Nothing here ever unpickles.
+
+- ``atomic_write(path, write)`` / ``write_json`` / ``write_text``: written beside the target, then
+  renamed over it, so a reader sees the old file or the new one, never half of one;
+- ``atomic_directory(target)``: the same for a whole directory;
+- ``jsonable(obj, nonfinite=...)``: the one JSON sanitiser (sets, tuples, enums; NaN/inf kept,
+  or replaced, e.g. by None for strict JSON lines);
+- ``save_optimizer`` / ``load_optimizer``: ``optimizer.state_dict()`` as safetensors + JSON, one
+  schema for learner and critic (the critic's older ``state_scalars`` files still load).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from enum import Enum
+from pathlib import Path
+
+from shared.errors import NlaInputError
+
+_PRIMITIVES = (bool, int, float, str, type(None))
+_KEEP = object()
+
+
+def jsonable(obj, nonfinite=_KEEP):
+    """A JSON-safe copy: sets become sorted lists, tuples lists, enums their values; non-finite floats
+    become ``nonfinite`` when it is given. Anything else is a ``TypeError`` naming it."""
+    if isinstance(obj, Enum):
+        return jsonable(obj.value, nonfinite)
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v, nonfinite) for k, v in obj.items()}
+    if isinstance(obj, (set, frozenset)):
+        return sorted(jsonable(v, nonfinite) for v in obj)
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v, nonfinite) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj) and nonfinite is not _KEEP:
+        return nonfinite
+    if isinstance(obj, _PRIMITIVES):
+        return obj
+    raise TypeError(f"cannot store a {type(obj).__name__} in JSON: {obj!r}")
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """``write(tmp_path)`` beside ``path``, then one rename over it; the temporary goes on failure."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: str | Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json(path: str | Path, obj, indent: int = 2) -> None:
+    write_text(path, json.dumps(jsonable(obj), indent=indent, sort_keys=True) + "\n")
+
+
+def read_json_object(path: str | Path, missing: str = "file not found") -> dict:
+    """A JSON object from ``path``, or a one-line error naming the file."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise NlaInputError(path, missing) from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise NlaInputError(path, "not valid JSON") from None
+    if not isinstance(raw, dict):
+        raise NlaInputError(path, "expected a JSON object")
+    return raw
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str | Path):
+    """Yield a temporary directory beside ``target``; on success it replaces ``target`` in one rename.
+
+    A crash leaves either the old directory or the new one, never a half-written one under the final
+    name (only a ``.<name>.tmp-*`` sibling to clean up).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.parent / f".{target.name}.old-{os.getpid()}-{tmp.name[-8:]}"
+            os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+def cpu_copy(t):
+    """A detached, contiguous CPU tensor that shares no storage with ``t`` (safetensors refuses shared storage)."""
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def save_tensors(path: str | Path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    flat = {k: cpu_copy(v) for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(flat, str(tmp), metadata={"format": "pt"}))
+
+
+def load_tensors(path: str | Path) -> dict:
+    """A safetensors file on the CPU, or a one-line error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise NlaInputError(path, "file not found")
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError) as exc:
+        raise NlaInputError(path, f"not a readable safetensors file ({exc})") from None
+
+
+# ---- optimiser state ----------------------------------------------------------------------------
+def split_optimizer_state(state_dict: dict) -> tuple[dict, dict]:
+    """``optimizer.state_dict()`` -> (tensors keyed ``state.<param>.<key>``, JSON-safe rest)."""
+    import torch
+
+    tensors, scalars = {}, {}
+    for pid, entry in state_dict["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state.{pid}.{key}"] = cpu_copy(value)
+            elif isinstance(value, _PRIMITIVES):
+                scalars.setdefault(str(pid), {})[key] = value
+            else:
+                raise TypeError(f"optimizer state {pid}.{key}: cannot store a {type(value).__name__}")
+    groups = []
+    for group in state_dict["param_groups"]:
+        for key, value in group.items():
+            if isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer param group {key}: tensor hyper-parameters are not supported")
+        groups.append({k: jsonable(v) for k, v in group.items()})
+    tuples = sorted({k for g in state_dict["param_groups"] for k, v in g.items() if isinstance(v, tuple)})
+    return tensors, {"param_groups": groups, "scalars": scalars, "tuple_keys": tuples}
+
+
+def join_optimizer_state(tensors: dict, meta: dict) -> dict:
+    """Inverse of ``split_optimizer_state``; also reads the critic's older meta (``state_scalars``, betas as a list)."""
+    state: dict[int, dict] = {}
+    for name, value in tensors.items():
+        _, pid, key = name.split(".", 2)
+        state.setdefault(int(pid), {})[key] = value
+    for pid, entry in meta.get("scalars", meta.get("state_scalars", {})).items():
+        state.setdefault(int(pid), {}).update(entry)
+    tuple_keys = set(meta["tuple_keys"] if "tuple_keys" in meta else ["betas"])
+    groups = [{k: tuple(v) if k in tuple_keys and isinstance(v, list) else v for k, v in g.items()}
+              for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def save_optimizer(directory: str | Path, optimizer, param_names: list[str], tensors_name: str, meta_name: str) -> None:
+    """``optimizer``'s state as ``tensors_name`` (safetensors) + ``meta_name`` (JSON) in ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors, meta = split_optimizer_state(optimizer.state_dict())
+    save_tensors(d / tensors_name, tensors)
+    write_json(d / meta_name, {**meta, "param_names": list(param_names), "optimizer": type(optimizer).__name__}, indent=1)
+
+
+def load_optimizer(directory: str | Path, optimizer, param_names: list[str], tensors_name: str, meta_name: str,
+                   what: str = "model") -> None:
+    """Restore a state ``save_optimizer`` wrote; the optimiser kind and the parameter list must match."""
+    d = Path(directory)
+    meta_path = d / meta_name
+    meta = read_json_object(meta_path)
+    if meta.get("optimizer") != type(optimizer).__name__:
+        raise NlaInputError(meta_path, f"optimizer: expected {type(optimizer).__name__}, found {meta.get('optimizer')!r}")
+    saved = meta.get("param_names")
+    if saved != list(param_names):
+        diff = next((a for a, b in zip(saved or [], param_names) if a != b), None)
+        raise NlaInputError(meta_path, f"param_names: do not match the {what}'s trainable tensors (first difference "
+                                       f"{diff!r}, {len(saved or [])} saved vs {len(param_names)} now)")
+    optimizer.load_state_dict(join_optimizer_state(load_tensors(d / tensors_name), meta))
+
+
+# ---- RNG ----------------------------------------------------------------------------------------
+def capture_rng() -> dict:
+    import torch
+
+    rng = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            rng[f"cuda.{i}"] = s
+    return rng
+
+
+def restore_rng(rng: dict) -> None:
+    import torch
+
+    torch.set_rng_state(rng["torch_cpu"])
+    cuda = sorted((int(k.split(".")[1]), v) for k, v in rng.items() if k.startswith("cuda."))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([v for _, v in cuda][: torch.cuda.device_count()])
