@@ -160,9 +160,9 @@ def main() -> int:
     # in-process engine: the in-memory adapter push then stays inside this process
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if DEVICE == "cpu":
-        from shared.vllm_env import prepare_vllm_env
+        from rollout.vllm_compat import prepare_engine_env
 
-        prepare_vllm_env(cpu=True)
+        prepare_engine_env(cpu=True)
     import torch
 
     from critic.scoring import Critic

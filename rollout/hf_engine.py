@@ -7,7 +7,6 @@ built by ``shared.injection.embed_batch``, ``karvonen`` through ``shared.injecti
 from __future__ import annotations
 
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
-from shared.errors import NlaInputError
 from shared.types import AdapterUpdate, PromptRequest, Sample
 
 
@@ -26,8 +25,6 @@ class HfEngine(RolloutEngine):
     """HF transformers + PEFT rollout engine with the reference trainer's sampling behaviour."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        if cfg.rollout.temperature != 1.0:
-            raise NlaInputError("rollout.temperature", f"expected 1.0, found {cfg.rollout.temperature}")
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

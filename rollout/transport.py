@@ -3,7 +3,7 @@
 - ``file``: write a PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
   into a node-local temp dir and let vLLM load it (public API only; the fallback).
 - ``memory``: ship the tensors as safetensors bytes through ``LLM.collective_rpc`` and register them
-  inside the worker (``rollout.vllm_private``; ms instead of seconds at scale).
+  inside the worker (``rollout.vllm_compat``; ms instead of seconds at scale).
 
 Either way every version gets a new adapter name and id (reusing an id with new weights silently
 keeps the old ones), and at most ``keep`` versions stay registered; older ones are removed.
@@ -16,6 +16,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from rollout.vllm_compat import engine_in_process
 from shared.types import AdapterUpdate
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -94,7 +95,7 @@ class AdapterTransport(ABC):
     def _register(self, update: AdapterUpdate): ...
 
     def _retire(self, version: int) -> None:
-        from rollout.vllm_private import engine_remove_lora
+        from rollout.vllm_compat import engine_remove_lora
 
         engine_remove_lora(self.llm, version)
         shutil.rmtree(self.root / adapter_name(version), ignore_errors=True)
@@ -113,7 +114,7 @@ class FileTransport(AdapterTransport):
     def _register(self, update: AdapterUpdate):
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm_private import engine_add_lora
+        from rollout.vllm_compat import engine_add_lora
 
         path = write_adapter_dir(update, self.root / adapter_name(update.version))
         request = LoRARequest(adapter_name(update.version), update.version, str(path))
@@ -138,7 +139,7 @@ class MemoryTransport(AdapterTransport):
         from safetensors.torch import save
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm_private import register_adapter_in_worker
+        from rollout.vllm_compat import register_adapter_in_worker
 
         # the request needs a path, never read (the id is already registered); an empty dir keeps
         # any path validation on the way happy
@@ -152,12 +153,6 @@ class MemoryTransport(AdapterTransport):
             register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), payload, config)
         )
         return LoRARequest(adapter_name(update.version), update.version, str(path))
-
-
-def engine_in_process(llm) -> bool:
-    """True when the engine core (and so the worker) runs in this process."""
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    return type(core).__name__ == "InprocClient"
 
 
 TRANSPORTS = {"file": FileTransport, "memory": MemoryTransport}

@@ -9,22 +9,18 @@ a token cap.
 """
 from __future__ import annotations
 
-import os
-
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
+from rollout.vllm_compat import LORA_RANKS
 from shared.errors import NlaInputError
 from shared.types import AdapterUpdate, PromptRequest, Sample
-
-# vLLM accepts only these LoRA ranks as max_lora_rank (vllm/config/lora.py: MaxLoRARanks)
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def max_lora_rank_for(r: int) -> int:
     """The smallest rank vLLM allows that fits an adapter of rank ``r``."""
-    for allowed in VLLM_LORA_RANKS:
+    for allowed in LORA_RANKS:
         if allowed >= r:
             return allowed
-    raise NlaInputError("learner.lora_r", f"expected at most {VLLM_LORA_RANKS[-1]} for the vLLM backend, found {r}")
+    raise NlaInputError("learner.lora_r", f"expected at most {LORA_RANKS[-1]} for the vLLM backend, found {r}")
 
 
 def dtype_name(dtype) -> str:
@@ -97,21 +93,15 @@ class VllmEngine(RolloutEngine):
     """vLLM rollout engine with embed- or karvonen-mode injection and per-version LoRA adapters."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        if cfg.rollout.temperature != 1.0:
-            raise NlaInputError("rollout.temperature", f"expected 1.0, found {cfg.rollout.temperature}")
-        from shared.vllm_env import prepare_vllm_env
+        from rollout.vllm_compat import prepare_engine_env
 
         cpu = not str(device).startswith("cuda")
-        prepare_vllm_env(cpu=cpu)
         self.karvonen = cfg.injection.mode == "karvonen"
-        if cfg.rollout.weight_transport == "memory" or self.karvonen:
-            if cfg.rollout.tensor_parallel_size == 1:
-                # one worker: keep the engine core in this process, so a pushed adapter's tensors reach
-                # the worker as they are (GPU tensors stay on the GPU; no serialisation of 700 MB)
-                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # otherwise the functions (adapter registration, karvonen hooks) travel to a separate
-            # engine core, which only unpickles callables with this switch
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        in_worker = cfg.rollout.weight_transport == "memory" or self.karvonen  # functions run inside the worker
+        # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
+        # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB); with several, the
+        # functions travel to separate engine cores
+        prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1, ship_callables=in_worker)
         import vllm
         from transformers import AutoTokenizer
 
@@ -231,7 +221,7 @@ class VllmEngine(RolloutEngine):
             self.transport.close()
             self.transport = None
         if llm is not None:
-            shutdown = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if shutdown is not None and hasattr(shutdown, "shutdown"):
-                shutdown.shutdown()
+            from rollout.vllm_compat import shutdown_engine_core
+
+            shutdown_engine_core(llm)
             del llm

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from rollout.vllm_compat import worker_model
+
 MAGIC = (32768.0, -32768.0, 16384.0)
 MAX_REQUESTS = 256 * 256
 
@@ -96,17 +98,11 @@ class KarvonenSites:
 
 # -- run inside each vLLM worker through LLM.collective_rpc (plain bytes cross a process boundary) --
 
-def _model(worker):
-    inner = getattr(worker, "worker", None) or worker
-    runner = inner.model_runner
-    return runner.get_model() if hasattr(runner, "get_model") else runner.model
-
-
 def install_in_worker(worker, layer: int, marker_row: bytes, dtype: str) -> int:
     """Hook blocks 0 and ``layer``; returns the number of decoder blocks."""
     from shared.injection import decoder_layers
 
-    model = _model(worker)
+    model = worker_model(worker)
     layers = decoder_layers(model)
     if not 0 <= layer < len(layers):
         raise ValueError(f"injection.karvonen_layer: expected 0..{len(layers) - 1}, found {layer}")
@@ -118,7 +114,7 @@ def install_in_worker(worker, layer: int, marker_row: bytes, dtype: str) -> int:
 
 def arm_in_worker(worker, vectors: bytes | None, n: int, d: int) -> None:
     """Vectors (fp32 bytes, ``n x d``) for the requests of the next generate call; None disarms."""
-    sites = _model(worker)._nla_karvonen
+    sites = worker_model(worker)._nla_karvonen
     if vectors is None:
         sites.arm(None)
         return

