@@ -139,13 +139,9 @@ class Critic:
 
     def _batch(self, ids_list: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids and attention mask on the critic's device."""
-        width = max(len(ids) for ids in ids_list)
-        input_ids = torch.full((len(ids_list), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(ids_list), width), dtype=torch.long)
-        for row, ids in enumerate(ids_list):
-            input_ids[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[row, :len(ids)] = 1
-        return input_ids.to(self.device), mask.to(self.device)
+        from shared.torch_utils import right_pad
+
+        return right_pad(ids_list, self.pad_id, self.device)
 
     def _length_order(self, ids: list[list[int] | None]) -> list[int]:
         # sorting by length keeps padding (wasted compute) small in every micro-batch

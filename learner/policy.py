@@ -37,15 +37,12 @@ class MicroBatch:
 def pad_batch(prompts: list[list[int]], responses: list[list[int]], sites: list[int], vectors: torch.Tensor,
               pad_id: int, device) -> MicroBatch:
     """Right-pad ``prompt + response`` rows; padding is masked out of attention and never scored."""
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    ids = torch.full((len(prompts), max(lengths)), pad_id, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for row, (p, r) in enumerate(zip(prompts, responses)):
-        ids[row, : len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attn[row, : len(p) + len(r)] = 1
+    from shared.torch_utils import right_pad
+
+    ids, attn = right_pad([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
     return MicroBatch(
-        input_ids=ids.to(device),
-        attention_mask=attn.to(device),
+        input_ids=ids,
+        attention_mask=attn,
         sites=torch.tensor(sites, dtype=torch.long, device=device),
         vectors=vectors.to(device=device, dtype=torch.float32),
         prompt_lens=torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device),

@@ -118,6 +118,7 @@ class HfEngine(RolloutEngine):
         """
         import torch
 
+        from shared.torch_utils import right_pad
         from shared.injection import embed_batch
 
         inject = vectors is not None
@@ -129,13 +130,7 @@ class HfEngine(RolloutEngine):
         for start in range(0, len(samples), micro_batch):
             chunk = samples[start:start + micro_batch]
             seqs = [s.prompt_ids + s.response_ids for s in chunk]
-            width = max(len(x) for x in seqs)
-            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for i, x in enumerate(seqs):  # right padding: causal attention never sees it
-                ids[i, :len(x)] = torch.tensor(x)
-                mask[i, :len(x)] = 1
-            ids, mask = ids.to(self.device), mask.to(self.device)
+            ids, mask = right_pad(seqs, self.pad_id, self.device)
             vecs = torch.stack([
                 torch.as_tensor(vectors[start + i], dtype=torch.float32).reshape(-1) for i in range(len(chunk))
             ]).to(self.device)

@@ -23,3 +23,15 @@ def make_adamw(params, lr: float, kind: str = "auto"):
             if kind == "adamw8bit":
                 raise
     return torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+
+def right_pad(seqs, pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids[B, L], attention_mask[B, L])`` of token lists right-padded with ``pad_id`` (causal
+    attention never sees the padding after a row's last real token)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        mask[row, : len(s)] = 1
+    return ids.to(device), mask.to(device)

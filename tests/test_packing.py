@@ -161,3 +161,10 @@ def test_memory_plan():
     assert budget % QUANTUM == 0 and budget * 1.5 * per <= 0.9 * 56 * 2**30
     assert token_budget(60 * 2**30 + 2**20, per, 4 * 2**30) == budget  # a little jitter changes nothing
     assert token_budget(0, per) == 512
+
+
+def test_right_pad_is_the_one_padding_builder():
+    from shared.torch_utils import right_pad
+
+    ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
