@@ -143,9 +143,11 @@ class Learner:
         if self.policy.packed:
             from learner.packing import build_rows, pack, plan_micro_batches
 
-            # a group stays in one row (split only beyond the token budget): where a response sits in its
-            # row must not depend on the micro-batch size, or rounding would
+            # an integer micro_batch bounds a row by what that many padded samples would hold, so a large
+            # group never needs more memory than the padded path did; auto bounds it by the budget
             max_samples = None if mb == "auto" else mb
+            if budget is None:
+                budget = mb * max((len(it.prompt_ids) + len(it.response_ids) for it in items), default=1)
             rows = build_rows([it.prompt_ids for it in items], [it.site for it in items], [it.vector for it in items],
                               [len(it.response_ids) for it in items], None, budget)
             for group in plan_micro_batches(rows, max_samples, budget):

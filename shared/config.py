@@ -128,8 +128,8 @@ class LearnerConfig(_Section):
     max_grad_norm: float = Field(1.0, gt=0.0)
     """Gradient-norm clip; a non-finite norm skips the step."""
     micro_batch: Union[int, str] = "auto"
-    """Samples per fused forward/backward (packed: whole groups, a group shares one row); auto = as many tokens as
-    free memory holds."""
+    """Samples per fused forward/backward (packed: a group shares one row, split only beyond the tokens that many
+    padded samples hold); auto = as many tokens as free memory holds."""
     forward: Literal["packed", "padded"] = "packed"
     """packed: each group's prompt once with its responses after it, LoRA computed in the model dtype, chunked
     LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
