@@ -101,3 +101,16 @@ def test_the_packed_forward_refuses_attention_it_cannot_mask(tiny_dir):
     Cfg._attn_implementation, Cfg.final_logit_softcapping = "sdpa", 30.0
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         _check_packable(Cfg())
+
+
+def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(tiny_dir, uneven):
+    from learner.service import _items
+
+    samples, vectors = uneven["embed"]
+    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=2), load_tiny_spec(tiny_dir))
+    items = _items(samples, vectors)
+    longest = max(len(it.prompt_ids) + len(it.response_ids) for it in items)
+    batches = [b for _, b in learner._micro_batches(items)]
+    assert all(len(b.members) <= 2 or b.input_ids.shape[0] == 1 for b in batches)
+    assert all(b.processed <= 2 * longest for b in batches)
+    assert sorted(i for b in batches for i in b.members) == list(range(len(samples)))
