@@ -179,7 +179,7 @@ def main() -> int:
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "gpu_memory_utilization": args.vllm_mem,
                     "enforce_eager": args.enforce_eager, "weight_transport": args.transport, "max_loras": 2,
                     "max_num_seqs": max(64, args.prompts * args.group)},
-        "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024},
+        "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": "auto"},
         "grpo": {"prompts_per_step": args.prompts},

@@ -8,7 +8,7 @@ activations' dtype instead (their gradient flows back through the cast into the 
 the update is one fused ``addmm`` into the base output: ``y = base(x) + s·(x Aᵀ) Bᵀ``.
 
 In fp32 (the CPU path) this is the same arithmetic as PEFT's. Layers PEFT would treat specially
-(DoRA and other variants, dropout, merged weights, mixed-adapter batches) keep PEFT's own forward.
+(DoRA and other variants, dropout, a LoRA bias, merged weights, mixed-adapter batches) keep PEFT's own forward.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ LINEAR_CLASSES = ("Linear", "Linear4bit", "Linear8bitLt")
 def _fast_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     active = [a for a in self.active_adapters if a in self.lora_A]
     if (self.disable_adapters or self.merged or kwargs.get("adapter_names") is not None or self.lora_variant
-            or any(not isinstance(self.lora_dropout[a], torch.nn.Identity) for a in active)):
+            or any(not isinstance(self.lora_dropout[a], torch.nn.Identity) for a in active)
+            or any(getattr(self, "lora_bias", {}).get(a, False) for a in active)):
         return type(self).forward(self, x, *args, **kwargs)
     result = self.base_layer(x, *args, **kwargs)
     dtype = result.dtype

@@ -14,7 +14,7 @@ import os
 SAFETY = 1.5
 QUANTUM = 512
 MIN_TOKENS, MAX_TOKENS = 512, 1 << 17
-CPU_MAX_TOKENS = 16384  # the CPU path: fixed, so runs do not depend on the host's free memory
+CPU_MAX_TOKENS = 16384  # the CPU path: a fixed cap, so runs do not depend on the host's free memory (unless it is short)
 
 
 def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,

@@ -18,6 +18,8 @@ import torch
 
 # rows are padded to a multiple of this: the memory-efficient attention kernel wants aligned masks
 ALIGN = 16
+# a row is split beyond this many tokens: its mask is L x L (8192 tokens: 67 MB as bool, twice that in bf16)
+MAX_ROW_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ def build_rows(prompts, sites, vectors, response_lens, max_samples: int | None =
     """Group samples that share prompt, site and activation into rows, in first-seen order.
 
     A group is split into several rows (each repeating the prompt) so that no row holds more than
-    ``max_samples`` responses or, beyond its first response, more than ``max_tokens`` tokens.
+    ``max_samples`` responses or, beyond its first response, more than ``max_tokens`` (and
+    ``MAX_ROW_TOKENS``) tokens.
     """
+    max_tokens = min(max_tokens or MAX_ROW_TOKENS, MAX_ROW_TOKENS)
     groups: dict = {}
     for i, (p, s, v) in enumerate(zip(prompts, sites, vectors)):
         groups.setdefault(_key(p, s, v), []).append(i)

@@ -212,6 +212,9 @@ class Policy:
 
         if kind == "packed":
             _check_packable(self.model.config)
+            if getattr(self.model.get_base_model().get_output_embeddings(), "bias", None) is not None:
+                raise ValueError("learner.forward packed: the model's LM head has a bias, which the packed head "
+                                 "does not add; set learner.forward: padded")
             lora_compute.install(self.model)
         else:
             lora_compute.uninstall(self.model)
@@ -292,7 +295,13 @@ def _check_packable(config) -> None:
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"learner.forward packed: expected sdpa or eager attention (a per-row 4-D mask), "
                          f"found {impl!r}; set learner.forward: padded")
-    for name in ("final_logit_softcapping", "logit_scale"):
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = "sliding_attention" in layer_types or bool(getattr(config, "use_sliding_window", False)) or (
+        not hasattr(config, "use_sliding_window") and getattr(config, "sliding_window", None) is not None)
+    if sliding:
+        raise ValueError("learner.forward packed: the model uses sliding-window attention, which the packed 4-D mask "
+                         "does not apply; set learner.forward: padded")
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"):
         if getattr(config, name, None) not in (None, 1.0):
             raise ValueError(f"learner.forward packed: the model's {name}={getattr(config, name)} is not applied "
                              f"by the packed LM head; set learner.forward: padded")

@@ -46,7 +46,12 @@ class RunDir:
         return run
 
     def config(self, overrides: list[str] = ()) -> RunConfig:
-        return load_config(self.path / "config.yaml", overrides)
+        import yaml
+
+        raw = yaml.safe_load((self.path / "config.yaml").read_text(encoding="utf-8")) or {}
+        # a run saved before learner.forward existed ran the padded update: it resumes on that, exactly
+        legacy = isinstance(raw.get("learner"), dict) and "forward" not in raw["learner"]
+        return load_config(self.path / "config.yaml", (["learner.forward=padded"] if legacy else []) + list(overrides))
 
     def save_config(self, cfg: RunConfig) -> None:
         write_text(self.path / "config.yaml", dump_config(cfg))

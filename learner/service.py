@@ -303,6 +303,11 @@ class Learner:
                           f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed"
                           + (", or one step moved the policy that far (grpo.overlap_rollout samples one step behind)"
                              if self.cfg.grpo.overlap_rollout else ""), RuntimeWarning)
+        if self.device.type == "cuda" and self.cfg.placement.mode == "colocated" and (
+                self.cfg.critic.train or self.cfg.rollout.sleep_during_update):
+            # the GPU is shared: the critic's co-training step and vLLM's wake-up come next and need the
+            # memory this update's micro-batches were sized to fill (micro_batch auto)
+            torch.cuda.empty_cache()
         _sync(self.device)
         seconds = time.perf_counter() - t0
         # tokens as an unpacked forward sees them (prompt + response per sample, no padding); FLOPs the

@@ -268,7 +268,7 @@ def combination_problem(cfg: RunConfig) -> str | None:
     if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
         return ("critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates (no fp32 master "
                 "weights); set critic.lora_r > 0 or model.dtype: float32")
-    if p.learner_gpus != 1:
+    if p.learner_gpus > 1 or (p.mode == "split" and p.learner_gpus != 1):
         return (f"placement.learner_gpus: expected 1 (the learner runs as one process on one GPU), found {p.learner_gpus}: "
                 "more would be reserved and left idle, 0 would never schedule")
     if p.critic_own_gpu and p.mode != "split":

@@ -77,3 +77,9 @@ def test_rules_across_fields_are_refused_by_the_schema_itself(raw, needle):
     with pytest.raises(NlaInputError) as exc:
         build_config(raw, "my.yaml")
     assert str(exc.value).startswith("my.yaml: ") and needle in str(exc.value)
+
+
+def test_learner_gpus_zero_is_only_wrong_where_it_is_used():
+    assert build_config({"placement": {"mode": "cpu", "learner_gpus": 0}}, "c").placement.learner_gpus == 0
+    with pytest.raises(NlaInputError, match="placement.learner_gpus: expected 1"):
+        build_config({"placement": {"mode": "cpu", "learner_gpus": 2}}, "c")

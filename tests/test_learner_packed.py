@@ -114,3 +114,35 @@ def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(
     assert all(len(b.members) <= 2 or b.input_ids.shape[0] == 1 for b in batches)
     assert all(b.processed <= 2 * longest for b in batches)
     assert sorted(i for b in batches for i in b.members) == list(range(len(samples)))
+
+
+def test_packed_refuses_sliding_windows_and_scaled_logits():
+    from learner.policy import _check_packable
+
+    class Qwen2Like:
+        _attn_implementation, use_sliding_window, sliding_window = "sdpa", True, 4096
+
+    class Granite:
+        _attn_implementation, logits_scaling = "sdpa", 8.0
+
+    with pytest.raises(ValueError, match="sliding-window attention"):
+        _check_packable(Qwen2Like())
+    with pytest.raises(ValueError, match="logits_scaling"):
+        _check_packable(Granite())
+    Qwen2Like.use_sliding_window = False
+    _check_packable(Qwen2Like())  # the window off: nothing to apply
+
+
+def test_a_run_saved_before_the_packed_update_resumes_on_the_padded_one(tiny_dir, tmp_path):
+    import yaml
+
+    from learner.run_dir import RunDir
+    from shared.config import build_config, dump_config
+
+    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}, "t")
+    raw = yaml.safe_load(dump_config(cfg))
+    del raw["learner"]["forward"]  # as the earlier code wrote it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
+    assert RunDir.open(tmp_path).config(["grpo.steps=5"]).learner.forward == "padded"
+    (tmp_path / "config.yaml").write_text(dump_config(cfg))
+    assert RunDir.open(tmp_path).config().learner.forward == "packed"

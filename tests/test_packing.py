@@ -168,3 +168,30 @@ def test_right_pad_is_the_one_padding_builder():
 
     ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+def test_rows_never_exceed_the_row_cap():
+    from learner.packing import MAX_ROW_TOKENS
+
+    n = 40
+    rows = build_rows([[1, 2]] * n, [1] * n, [torch.zeros(2)] * n, [500] * n)
+    assert len(rows) > 1 and all(r.length <= MAX_ROW_TOKENS for r in rows)
+    assert sorted(i for r in rows for i in r.members) == list(range(n))
+
+
+def test_fused_lora_leaves_a_lora_bias_to_peft():
+    from peft import LoraConfig, get_peft_model
+
+    from learner import lora_compute
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model = get_peft_model(net, LoraConfig(r=2, lora_alpha=4, target_modules=["0"], lora_bias=True))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    x = torch.randn(3, 8)
+    want = model(x)
+    lora_compute.install(model)
+    assert torch.allclose(model(x), want, atol=1e-6)
