@@ -47,6 +47,8 @@ def free_bytes(device) -> int:
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
                 reserve_bytes: int = 0) -> int:
     """The micro-batch token budget for this model on ``device`` now."""
+    import torch
+
     c = model_config
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -54,6 +56,4 @@ def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool,
                                            getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
                                            elem_bytes, checkpointing)
     budget = token_budget(free_bytes(device), per_token, reserve_bytes)
-    import torch
-
-    return min(budget, CPU_MAX_TOKENS) if torch.device(device).type != "cuda" else budget
+    return budget if torch.device(device).type == "cuda" else min(budget, CPU_MAX_TOKENS)

@@ -65,10 +65,8 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
     m = learner.update(samples, _adv(len(samples)), vectors)
     assert m["learner/micro_batch_tokens"] == learner.micro_batch_tokens == CPU_MAX_TOKENS
     assert m["learner/tokens_per_s"] > 0 and m["learner/tflops"] > 0
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     assert m["learner/tflops"] * 1e12 / m["learner/tokens_per_s"] == pytest.approx(6 * learner.base_params, rel=1e-6)
     assert learner.base_params == sum(p.numel() for n, p in learner.model.named_parameters() if "lora_" not in n)
-    assert tokens > 0
     learner.micro_batch_tokens = 4096  # as if another machine had chosen it
     learner.save(tmp_path / "ckpt")
     fresh = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2), load_tiny_spec(tiny_dir))
