@@ -67,7 +67,7 @@ def main() -> int:
     import torch
 
     from learner.grpo import group_advantages
-    from learner.job import prepare_job
+    from orchestrator.job import prepare_job
     from learner.service import Learner
     from shared.config import build_config
 

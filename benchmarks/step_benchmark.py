@@ -166,7 +166,7 @@ def main() -> int:
     import torch
 
     from critic.scoring import Critic
-    from learner.job import prepare_job
+    from orchestrator.job import prepare_job
     from learner.reward import explanation_for
     from learner.service import Learner
     from shared.config import build_config

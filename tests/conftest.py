@@ -20,7 +20,7 @@ def run_cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     """Run ``nla-grpo`` as a user would (a fresh process), capturing its output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "learner.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
+        [sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
 

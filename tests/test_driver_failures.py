@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from learner.job import absolute_paths, prepare_job
-from learner.placement import Services
-from learner.run_dir import RunDir
+from orchestrator.job import absolute_paths, prepare_job
+from orchestrator.placement import Services
+from orchestrator.run_dir import RunDir
 from shared.config import build_config
 from shared.types import AdapterUpdate, Sample
 
@@ -89,7 +89,7 @@ def _services(ray, group, die_at_call=None, skip_at=None):
 
 
 def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
-    from learner.driver import StepError, train
+    from orchestrator.driver import StepError, train
 
     job = _job(tiny_dir, steps=5)
     run = RunDir.create(tmp_path / "run", job.cfg)
@@ -101,7 +101,7 @@ def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_p
 
 
 def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_path):
-    from learner.driver import train
+    from orchestrator.driver import train
 
     job = _job(tiny_dir, steps=4)
     run = RunDir.create(tmp_path / "run", job.cfg)
@@ -119,7 +119,7 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
 @pytest.mark.parametrize("overlap,expected", [(False, [[1], [2], [3], [4]]), (True, [[1], [1], [2], [3]])])
 def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_local, tiny_dir, tmp_path, overlap, expected):
     """With overlap, step k+1's samples come from v_k: launched before update k, served before push k."""
-    from learner.driver import train
+    from orchestrator.driver import train
 
     job = _job(tiny_dir, steps=4, overlap=overlap)
     run = RunDir.create(tmp_path / "run", job.cfg)

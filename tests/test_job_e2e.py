@@ -100,7 +100,7 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     # killed hard mid-run (after its first checkpoint): resumes from it, same end state
     killed = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "learner.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
+    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
            "--steps", "6", *_data_args(tiny_dir), *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
@@ -199,7 +199,7 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
         sub = subprocess.run(
             [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(ROOT),
              "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
-             sys.executable, "-m", "learner.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
+             sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
              *_data_args(tiny_dir), "--set", "logging.eval_every=0"],
             capture_output=True, text=True, env=env, timeout=800)
         assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-2000:])

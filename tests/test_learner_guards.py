@@ -103,7 +103,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
      "rollout.tensor_parallel_size=1"),
 ])
 def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
-    from learner.job import prepare_job
+    from orchestrator.job import prepare_job
     from shared.config import build_config
 
     raw = {**raw, "model": {"path": str(tiny_dir / "model"), **raw.get("model", {})},
@@ -117,7 +117,7 @@ def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
     ("split", "host", "host"), ("cpu", "collective", "collective"),
 ])
 def test_auto_adapter_route_follows_placement(tiny_dir, mode, route, resolved):
-    from learner.driver import adapter_route
+    from orchestrator.driver import adapter_route
     from shared.config import build_config
 
     raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},

@@ -134,7 +134,7 @@ def test_packed_refuses_sliding_windows_and_scaled_logits():
 def test_a_run_saved_before_the_packed_update_resumes_on_the_padded_one(tiny_dir, tmp_path):
     import yaml
 
-    from learner.run_dir import RunDir
+    from orchestrator.run_dir import RunDir
     from shared.config import build_config, dump_config
 
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}, "t")

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from learner.job import absolute_paths, prepare_job
-from learner.placement import gpu_count_needed, start_services, stop_services
-from learner.run_dir import RunDir
+from orchestrator.job import absolute_paths, prepare_job
+from orchestrator.placement import gpu_count_needed, start_services, stop_services
+from orchestrator.run_dir import RunDir
 from shared.config import build_config
 
 from conftest import ROOT
@@ -82,7 +82,7 @@ def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):
 
 
 def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir, tmp_path):
-    from learner.driver import train
+    from orchestrator.driver import train
 
     # logical GPUs without CUDA: the push goes through host memory (NCCL, split's default, needs real GPUs)
     cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True, "adapter_route": "host"}, num_engines=2)
@@ -98,8 +98,8 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
         run = RunDir.create(tmp_path / "run", cfg)
         last = train(job, run, s, log=lambda m: None)
         assert last["step"] == 2 and last["adapter_version"] == 4
-        from learner.driver import _requests
-        from learner.rollout_feed import rollout
+        from orchestrator.driver import _requests
+        from orchestrator.rollout_feed import rollout
 
         reqs = _requests(job, job.train, job.prompt_index_train, [4, 0, 3, 1, 2])
         samples = rollout(s.rollouts, reqs, seed=0)

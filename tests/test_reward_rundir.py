@@ -3,7 +3,7 @@ import json
 import pytest
 
 from learner.reward import explanation_for, rewards_for
-from learner.run_dir import RunDir
+from orchestrator.run_dir import RunDir
 from shared.config import RunConfig
 
 

@@ -77,7 +77,7 @@ def _data_check(args) -> int:
             raise NlaInputError("data check", "--set needs --config")
         check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
         return 0
-    from learner.job import absolute_paths, prepare_job
+    from orchestrator.job import absolute_paths, prepare_job
     from shared.config import load_config
 
     here = [f"data.parquet={Path(args.parquet).resolve()}"]
@@ -92,7 +92,7 @@ def _data_check(args) -> int:
 def _config_check(args) -> int:
     from pathlib import Path
 
-    from learner.job import absolute_paths, prepare_job
+    from orchestrator.job import absolute_paths, prepare_job
     from shared.config import dump_config, load_config
 
     cfg = absolute_paths(load_config(args.config, args.set), Path.cwd())
@@ -108,8 +108,8 @@ def _train(args) -> int:
     from shared.config import load_config
     from shared.errors import NlaInputError
 
-    from learner.job import absolute_paths, prepare_job
-    from learner.run_dir import RunDir
+    from orchestrator.job import absolute_paths, prepare_job
+    from orchestrator.run_dir import RunDir
 
     if (args.resume is None) == (args.config is None):
         raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
@@ -135,9 +135,9 @@ def _train(args) -> int:
 
 
 def _run_services(job, run, resume_from) -> int:
-    from learner.driver import train
-    from learner.placement import start_ray, start_services, stop_services
-    from learner.plot import write_plots
+    from orchestrator.driver import train
+    from orchestrator.placement import start_ray, start_services, stop_services
+    from orchestrator.plot import write_plots
 
     cfg = job.cfg
     wandb_run = None
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
                   f"critic.lora_r={meta.lora_r} critic.lora_alpha={meta.lora_alpha}")
             return 0
         if args.cmd == "plot":
-            from learner.plot import write_plots
+            from orchestrator.plot import write_plots
 
             print(write_plots(args.run_dir))
             return 0
@@ -193,7 +193,7 @@ def main(argv=None) -> int:
         print(f"nla-grpo: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:
-        from learner.driver import StepError
+        from orchestrator.driver import StepError
 
         if not isinstance(exc, StepError):
             raise

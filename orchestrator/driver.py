@@ -1,9 +1,9 @@
 """The GRPO driver: one controller, the loop read top to bottom.
 
 Per step: batch → rollout → extract → score → reward → advantages → learner update → critic step →
-adapter push → log → eval → checkpoint. Services are Ray actors (``learner.placement``); the loop is
+adapter push → log → eval → checkpoint. Services are Ray actors (``orchestrator.placement``); the loop is
 the same in every placement mode. With ``grpo.overlap_rollout`` the next step's rollout is launched
-right after the rewards and runs during the update (``learner.rollout_feed``); its remaining wait is
+right after the rewards and runs during the update (``orchestrator.rollout_feed``); its remaining wait is
 counted in ``time/rollout``.
 """
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from learner.job import Job
+from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
-from learner.rollout_feed import RolloutFeed, rollout, step_seed
-from learner.run_dir import RunDir
+from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
+from orchestrator.run_dir import RunDir
 from shared.data import ShuffledOrder
 from shared.types import PromptRequest
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from learner.run_dir import RunDir
+from orchestrator.run_dir import RunDir
 from shared.errors import NlaInputError
 
 PANELS = [
