@@ -12,7 +12,7 @@ update sees non-zero advantages, as in a real step.
 
     python benchmarks/job_benchmark.py --placement colocated --out benchmarks/h200-job-colocated.json
     python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
-    python benchmarks/job_benchmark.py --placement split --overlap --route collective --out benchmarks/h200x2-job-split-overlap.json
+    python benchmarks/job_benchmark.py --placement split --overlap --route broadcast --out benchmarks/h200x2-job-split-overlap.json
     python benchmarks/job_benchmark.py --placement colocated --injection karvonen --out benchmarks/h200-job-colocated-karvonen.json
 
 ``--reference JSON`` (a ``step_benchmark.py`` result from the same machine) adds the ratio against
@@ -46,13 +46,14 @@ def job_config(root: Path, args) -> dict:
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "gpu_memory_utilization": 0.85 if split else args.vllm_mem,
-                    "max_num_seqs": max(64, args.prompts * args.group), "weight_transport": "memory", "max_loras": 2,
+                    "max_num_seqs": max(64, args.prompts * args.group), "max_loras": 2,
                     "sleep_during_update": args.sleep},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": "auto"},
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap},
-        "placement": {"mode": args.placement, "learner_gpus": 1, "adapter_route": args.route},
+        "placement": {"mode": args.placement, "learner_gpus": 1},
+        "weight_sync": {"kind": args.route},
         "injection": {"mode": args.injection},
         "logging": {"eval_every": 0},
         "checkpointing": {"every": 0},
@@ -68,8 +69,8 @@ def main() -> int:
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
-    ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "collective"], default="auto",
-                    help="placement.adapter_route (collective: NCCL broadcast, split only)")
+    ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "broadcast", "file"], default="auto",
+                    help="weight_sync.kind (broadcast: NCCL, split only; cuda_ipc: colocated only)")
     ap.add_argument("--injection", choices=["embed", "karvonen"], default="embed",
                     help="injection.mode (karvonen: vLLM runs eager, without CUDA graphs)")
     args = ap.parse_args()

@@ -149,7 +149,8 @@ def main() -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-old-update", action="store_true", help="do not also time the padded (pre-packing) update")
-    ap.add_argument("--transport", choices=["memory", "file"], default="memory")
+    ap.add_argument("--transport", choices=["memory", "file"], default="memory",
+                    help="how the engine registers the adapter: in memory, or from a PEFT directory (weight_sync.kind: file)")
     ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
     args = ap.parse_args()
     global DEVICE
@@ -167,7 +168,6 @@ def main() -> int:
 
     from critic.scoring import Critic
     from orchestrator.job import prepare_job
-    from learner.reward import explanation_for
     from learner.service import Learner
     from shared.config import build_config
     from shared.types import PromptRequest
@@ -177,8 +177,9 @@ def main() -> int:
         "model": {"path": str(root / "model"), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "gpu_memory_utilization": args.vllm_mem,
-                    "enforce_eager": args.enforce_eager, "weight_transport": args.transport, "max_loras": 2,
+                    "enforce_eager": args.enforce_eager, "max_loras": 2,
                     "max_num_seqs": max(64, args.prompts * args.group)},
+        "weight_sync": {"kind": "file" if args.transport == "file" else "auto"},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": "auto"},

@@ -10,8 +10,10 @@ class LearnerActor:
 
     def __init__(self, cfg, spec, device: str = "cpu"):
         from learner.service import Learner
+        from shared.weight_sync import make_sender
 
         self.learner = Learner(cfg, spec, device)
+        self.sender = make_sender(cfg.weight_sync, device)  # owns each export's buffer (shared.weight_sync)
 
     def update(self, samples, advantages, vectors) -> dict:
         return self.learner.update(samples, advantages, vectors)
@@ -19,35 +21,21 @@ class LearnerActor:
     def logprobs(self, samples, vectors, adapter: str = "default") -> list[list[float]]:
         return self.learner.logprobs(samples, vectors, adapter)
 
-    def export_adapter(self, route: str = "host"):
-        """One packed buffer (``shared.tensor_wire``): host memory, a CUDA IPC handle on a shared GPU,
-        or (``collective``) only its table of contents, the bytes following in ``send_adapter``."""
-        return self.learner.export_adapter(route=route)
+    # ---- weight sync: the sender's half (orchestrator.weight_push drives it) ----
+    def weight_sync_rendezvous(self, world_size: int):
+        return self.sender.rendezvous(world_size)
 
-    def serve_channel(self, world_size: int) -> tuple:
-        """Rank 0 of the adapter channel (``shared.collective``): returns (host, port) for the engines."""
-        from shared.collective import AdapterChannel
+    def connect_weight_sync(self, rendezvous) -> None:
+        self.sender.connect(rendezvous)
 
-        self.channel = AdapterChannel()
-        return self.channel.serve(world_size)
+    def export_adapter(self):
+        """The current adapter as a ``shared.weight_sync.AdapterMessage`` for every engine."""
+        return self.sender.export(self.learner.export_adapter(device="live"))
 
-    def join_channel(self, host: str, port: int, world_size: int, backend: str) -> None:
-        self.channel.join(host, port, 0, world_size, backend)
-
-    def send_adapter(self, export) -> None:
-        """Broadcast the ``collective`` export ``export`` (this actor's latest) to every engine.
-
-        Taking the export as an argument makes Ray skip this call when the export failed, so no
-        stale buffer is ever sent.
-        """
-        from shared.tensor_wire import sender_buffer
-
-        if export.version != self.learner.version:
-            raise RuntimeError(f"send_adapter: export v{export.version} is not the latest (v{self.learner.version})")
-        try:
-            self.channel.broadcast(sender_buffer(self.learner._last_export))
-        finally:
-            self.learner._last_export = None  # every engine has its copy now
+    def send_adapter(self, message) -> None:
+        """The bytes of ``message`` where they travel apart from it (broadcast). Taking the message as an
+        argument makes Ray skip this call when the export failed, so no stale buffer is ever sent."""
+        self.sender.send(message)
 
     def save(self, directory: str) -> str:
         return str(self.learner.save(directory))

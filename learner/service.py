@@ -330,13 +330,13 @@ class Learner:
 
         return jsonable(self.model.peft_config[name].to_dict())
 
-    def export_adapter(self, device: str = "cpu", route: str | None = None):
+    def export_adapter(self, device: str = "cpu"):
         """The policy adapter with PEFT's saved key names, its PEFT config and version.
 
         Tensors are snapshots (they share no storage with the trained weights): on the CPU by
-        default; ``device="same"`` keeps them on the learner's device for an engine in this process.
-        ``route`` ("host" or "cuda_ipc", see ``shared.tensor_wire``) packs them into one buffer for
-        another process instead; the learner keeps the latest packed export alive for its receivers.
+        default; ``device="same"`` keeps them on the learner's device for an engine in this process;
+        ``device="live"`` hands out the trained weights themselves (detached), for a caller that
+        copies them at once (``shared.weight_sync`` packs them into its buffer).
         """
         from peft import get_peft_model_state_dict
 
@@ -344,18 +344,9 @@ class Learner:
         from shared.types import AdapterUpdate
 
         state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
-        config = self._peft_config(POLICY)
-        if route is not None:
-            from shared.tensor_wire import pack_tensors
-
-            self._last_export = None  # the previous buffer may go now: every receiver has copied it
-            packed = pack_tensors({k: v.detach() for k, v in state.items()}, route)
-            # the sender's buffer must outlive the receivers' copies for cuda_ipc / collective only
-            # (a cuda_ipc handle is rebuilt by one receiver: colocated placement has one engine)
-            self._last_export = packed if route != "host" else None
-            return AdapterUpdate(version=self.version, tensors=packed, peft_config=config)
-        copy = cpu_copy if device == "cpu" else (lambda t: t.detach().clone().contiguous())
-        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()}, peft_config=config)
+        copy = {"cpu": cpu_copy, "same": lambda t: t.detach().clone().contiguous(), "live": lambda t: t.detach()}[device]
+        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()},
+                             peft_config=self._peft_config(POLICY))
 
     def save(self, directory) -> Path:
         """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""

@@ -5,6 +5,15 @@ import argparse
 import sys
 
 
+def _add_overrides(parser, help: str) -> None:
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
+def _group(sub, name: str, help: str):
+    """A command with subcommands (``nla-grpo NAME SUBCOMMAND``); the choice lands in ``args.<NAME>_cmd``."""
+    return sub.add_parser(name, help=help).add_subparsers(dest=f"{name}_cmd", required=True)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nla-grpo", description="Train natural language autoencoders with GRPO on Ray + vLLM.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -14,17 +23,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--run-dir", help="run directory (default runs/<config name>-<time>)")
     t.add_argument("--steps", type=int, help="total step count to reach")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
-    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field, e.g. grpo.steps=10")
+    _add_overrides(t, "override a config field, e.g. grpo.steps=10")
 
-    c = sub.add_parser("config", help="run configs: check one before submitting it")
-    csub_ = c.add_subparsers(dest="config_cmd", required=True)
-    cc = csub_.add_parser("check", help="validate a run config as `train` would (schema, cross-field rules, model "
+    cc = _group(sub, "config", "run configs: check one before submitting it").add_parser("check", help="validate a run config as `train` would (schema, cross-field rules, model "
                           "config, sidecar, tokenizer, data) without loading weights or starting Ray; print it resolved")
     cc.add_argument("config")
-    cc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    _add_overrides(cc, "override a config field")
 
-    d = sub.add_parser("data", help="datasets: build the tiny fixture, check a parquet")
-    dsub = d.add_subparsers(dest="data_cmd", required=True)
+    dsub = _group(sub, "data", "datasets: build the tiny fixture, check a parquet")
     dt = dsub.add_parser("tiny", help="write a tiny Qwen3, tokenizer, RL parquet and sidecar")
     dt.add_argument("out_dir")
     dt.add_argument("--seed", type=int, default=0)
@@ -35,11 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     dc.add_argument("--eval-fraction", type=float, default=0.1)
     dc.add_argument("--config", help="a run config: also check what training on this parquet with it checks "
                     "(its prefill, stop tokens, karvonen layer, batch size, eval rows)")
-    dc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field of --config")
+    _add_overrides(dc, "override a field of --config")
 
-    cr = sub.add_parser("critic", help="AR checkpoints")
-    csub = cr.add_subparsers(dest="critic_cmd", required=True)
-    ci = csub.add_parser("import-reference", help="convert the reference trainer's AR-LoRA directory "
+    ci = _group(sub, "critic", "AR checkpoints").add_parser("import-reference", help="convert the reference trainer's AR-LoRA directory "
                          "(ar_meta.json + ar_lora_value_head.safetensors) into a critic.checkpoint directory")
     ci.add_argument("ar_dir")
     ci.add_argument("out_dir")

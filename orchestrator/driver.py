@@ -19,6 +19,7 @@ from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
 from orchestrator.run_dir import RunDir
+from orchestrator.weight_push import AdapterPush
 from shared.data import ShuffledOrder
 from shared.types import PromptRequest
 
@@ -62,49 +63,6 @@ def _on_engines(services, method: str) -> float:
     t = time.time()
     ray.get([getattr(eng, method).remote() for eng in services.rollouts])
     return time.time() - t
-
-
-def adapter_route(cfg) -> str:
-    """``placement.adapter_route`` resolved for ``auto``: a CUDA IPC handle where all actors share one
-    GPU, a GPU-to-GPU broadcast where the engines have their own (0.15 s against 1.3 s through host
-    memory for r=128 on 2x H200, benchmarks/RESULTS.md), host memory on the CPU."""
-    route = cfg.placement.adapter_route
-    if route == "auto":
-        return {"colocated": "cuda_ipc", "split": "collective"}.get(cfg.placement.mode, "host")
-    return route
-
-
-def _push(services, route: str) -> int:
-    """Export the policy adapter once and load it into every engine; returns its version.
-
-    The export stays a Ray object reference: the engines read it straight from the learner's store,
-    never through this process.
-    """
-    import ray
-
-    ref = services.learner.export_adapter.remote(route)
-    loads = [eng.load_adapter.remote(ref) for eng in services.rollouts]
-    waiting = loads + ([services.learner.send_adapter.remote(ref)] if route == "collective" else [])
-    while waiting:  # first failure raises at once (a broadcast partner may be left waiting on it)
-        done, waiting = ray.wait(waiting, num_returns=1)
-        ray.get(done)
-    versions = ray.get(loads)
-    if len(set(versions)) != 1:
-        raise RuntimeError(f"engines report different adapter versions after a push: {versions}")
-    return versions[0]
-
-
-def _open_channel(services, route: str) -> None:
-    """For the ``collective`` route: the learner (rank 0) and every engine join one broadcast group."""
-    import ray
-
-    if route != "collective":
-        return
-    world = 1 + len(services.rollouts)
-    backend = "nccl" if services.device == "cuda" else "gloo"
-    host, port = ray.get(services.learner.serve_channel.remote(world))
-    ray.get([services.learner.join_channel.remote(host, port, world, backend)]
-            + [eng.join_channel.remote(host, port, i + 1, world, backend) for i, eng in enumerate(services.rollouts)])
 
 
 def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
@@ -164,7 +122,8 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
     cfg = job.cfg
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
-    overlap, sleep, route = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update, adapter_route(cfg)
+    overlap, sleep = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update
+    push = AdapterPush(services.learner, services.rollouts)
     order = ShuffledOrder(len(job.train), seed=cfg.seed)
     start = 0
     if resume_from is not None:
@@ -178,8 +137,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     if resume_from is not None:
         feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
     run.truncate_logs(start)
-    _open_channel(services, route)
-    version = _push(services, route)
+    version = push()
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
     t_run = time.time()
     last: dict = {}
@@ -243,7 +201,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             t_sleep += _on_engines(services, "wake_up") if sleep else 0.0
             t = time.time()
             if not upd.get("skipped"):
-                version = _push(services, route)
+                version = push()
             t_push = time.time() - t
 
             # ---- log ----

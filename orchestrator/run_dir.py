@@ -10,7 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
-from shared.config import RunConfig, dump_config, load_config
+from shared.config import RunConfig, build_config, dump_config, upgrade_saved_config
 from shared.errors import NlaInputError
 from shared.fileio import jsonable, write_text
 
@@ -48,10 +48,10 @@ class RunDir:
     def config(self, overrides: list[str] = ()) -> RunConfig:
         import yaml
 
-        raw = yaml.safe_load((self.path / "config.yaml").read_text(encoding="utf-8")) or {}
-        # a run saved before learner.forward existed ran the padded update: it resumes on that, exactly
-        legacy = isinstance(raw.get("learner"), dict) and "forward" not in raw["learner"]
-        return load_config(self.path / "config.yaml", (["learner.forward=padded"] if legacy else []) + list(overrides))
+        path = self.path / "config.yaml"
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        # a run saved by an older version resumes as it ran (shared.config.upgrade_saved_config)
+        return build_config(upgrade_saved_config(raw) if isinstance(raw, dict) else raw, str(path), overrides)
 
     def save_config(self, cfg: RunConfig) -> None:
         write_text(self.path / "config.yaml", dump_config(cfg))

@@ -6,7 +6,7 @@ remote: ``shared.actors.remote(RolloutActor).options(...).remote(cfg, spec, back
 from __future__ import annotations
 
 from rollout.engine import RolloutEngine
-from shared.types import AdapterUpdate, PromptRequest, Sample
+from shared.types import PromptRequest, Sample
 
 BACKENDS = ("vllm", "hf")
 
@@ -29,27 +29,21 @@ class RolloutActor:
     """One engine in the actor's process, the RolloutEngine calls as plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu"):
+        from shared.weight_sync import make_receiver
+
         self.engine = make_engine(cfg, spec, device, backend)
-        self.channel = None
+        self.receiver = make_receiver(cfg.weight_sync)  # the engine's half of shared.weight_sync
 
-    def join_channel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        """Join the learner's adapter channel (``shared.collective``) as ``rank``."""
-        from shared.collective import AdapterChannel
-
-        self.channel = AdapterChannel()
-        self.channel.join(host, port, rank, world_size, backend)
+    def connect_weight_sync(self, rendezvous, rank: int) -> None:
+        self.receiver.connect(rendezvous, rank)
 
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         return self.engine.generate(requests, seed, ignore_eos, inject)
 
-    def load_adapter(self, update: AdapterUpdate) -> int:
-        """Returns the version now in use (lets the driver wait on the push)."""
-        from dataclasses import replace
-
-        from shared.tensor_wire import as_tensor_dict
-
-        receive = self.channel.broadcast if self.channel is not None else None
-        self.engine.load_adapter(replace(update, tensors=as_tensor_dict(update.tensors, self.engine.device, receive)))
+    def load_adapter(self, message) -> int:
+        """Receive a ``shared.weight_sync.AdapterMessage`` and load it; returns the version now in use
+        (lets the controller wait on the push)."""
+        self.engine.load_adapter(self.receiver.receive(message, self.engine.device))
         return self.engine.adapter_version
 
     def adapter_version(self) -> int:

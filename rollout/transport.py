@@ -1,9 +1,10 @@
-"""How a policy adapter reaches a vLLM engine: one small interface, two routes.
+"""The last hop of a push: how a received adapter is registered with a vLLM engine (the hops before
+it, learner to engine actor, are ``shared.weight_sync``). Two ways:
 
-- ``file``: write a PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``)
-  into a node-local temp dir and let vLLM load it (public API only; the fallback).
-- ``memory``: ship the tensors as safetensors bytes through ``LLM.collective_rpc`` and register them
-  inside the worker (``rollout.vllm_compat``; ms instead of seconds at scale).
+- in memory (every ``weight_sync`` kind but ``file``): the tensors go through ``LLM.collective_rpc``
+  and are registered inside the worker (``rollout.vllm_compat``; ms instead of seconds at scale);
+- ``file``: a PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``) in a
+  node-local directory, loaded by vLLM's public ``add_lora`` (public API only; the fallback).
 
 Either way every version gets a new adapter name and id (reusing an id with new weights silently
 keeps the old ones), and at most ``keep`` versions stay registered; older ones are removed.
@@ -77,10 +78,12 @@ def node_local_tmp() -> str | None:
 class AdapterTransport(ABC):
     """Registers adapter versions with a vLLM ``LLM`` and hands back the ``LoRARequest`` to generate with."""
 
-    def __init__(self, llm, keep: int):
+    def __init__(self, llm, keep: int, directory: str | None = None):
         self.llm = llm
         self.keep = max(1, int(keep))
-        self.root = Path(tempfile.mkdtemp(prefix="nla-adapters-", dir=node_local_tmp()))
+        if directory is not None:
+            Path(directory).mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix="nla-adapters-", dir=directory or node_local_tmp()))
         self._live: list[int] = []  # registered versions, oldest first
 
     def push(self, update: AdapterUpdate):
@@ -155,8 +158,8 @@ class MemoryTransport(AdapterTransport):
         return LoRARequest(adapter_name(update.version), update.version, str(path))
 
 
-TRANSPORTS = {"file": FileTransport, "memory": MemoryTransport}
-
-
-def make_transport(kind: str, llm, keep: int) -> AdapterTransport:
-    return TRANSPORTS[kind](llm, keep)
+def make_transport(weight_sync, llm, keep: int) -> AdapterTransport:
+    """File registration for ``weight_sync.kind: file`` (in its ``directory``), in memory otherwise."""
+    if weight_sync.kind == "file":
+        return FileTransport(llm, keep, directory=weight_sync.directory)
+    return MemoryTransport(llm, keep)

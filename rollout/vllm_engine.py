@@ -97,7 +97,7 @@ class VllmEngine(RolloutEngine):
 
         cpu = not str(device).startswith("cuda")
         self.karvonen = cfg.injection.mode == "karvonen"
-        in_worker = cfg.rollout.weight_transport == "memory" or self.karvonen  # functions run inside the worker
+        in_worker = cfg.weight_sync.kind != "file" or self.karvonen  # functions run inside the worker
         # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
         # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB); with several, the
         # functions travel to separate engine cores
@@ -128,7 +128,7 @@ class VllmEngine(RolloutEngine):
 
             marker = self.embed_weight[spec.marker_id].float().cpu().numpy().tobytes()
             self.llm.collective_rpc(install_in_worker, args=(cfg.injection.karvonen_layer, marker, dtype_name(self.dtype)))
-        self.transport = make_transport(cfg.rollout.weight_transport, self.llm, keep=cfg.rollout.max_loras)
+        self.transport = make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self._lora_request = None
         self._version = 0
 

@@ -7,7 +7,7 @@ field. ``dump_config`` writes the resolved config that each run directory keeps.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,8 +80,6 @@ class RolloutConfig(_Section):
     """Skip CUDA graphs / compilation (faster start, slower decode)."""
     kv_cache_mb: int = Field(64, ge=8, le=1 << 20)
     """KV cache size on CPU engines, MiB."""
-    weight_transport: Literal["memory", "file"] = "memory"
-    """Adapter push route: in-memory tensors through the engine, or safetensors in a node-local temp dir."""
     max_loras: int = Field(2, ge=1, le=64)
     """Adapters an engine keeps registered; older versions are retired."""
     sleep_during_update: bool = False
@@ -183,8 +181,44 @@ class PlacementConfig(_Section):
     """GPUs for the learner in split mode (one until the learner runs data-parallel ranks)."""
     critic_own_gpu: bool = False
     """Split mode: the critic gets its own GPU instead of sharing the learner's."""
-    adapter_route: Literal["auto", "host", "cuda_ipc", "collective"] = "auto"
-    """Adapter to the rollout actors: auto (CUDA IPC when colocated, NCCL broadcast when split, host on cpu), host memory, cuda_ipc, or collective (NCCL/gloo broadcast)."""
+
+
+# ---- weight sync: how the policy adapter reaches the engines (one variant, chosen by `kind`) ----
+class AutoSync(_Section):
+    kind: Literal["auto"] = "auto"
+    """Resolved when the config is read: cuda_ipc when colocated, broadcast when split, host on the CPU."""
+
+
+class HostSync(_Section):
+    kind: Literal["host"] = "host"
+    """One host-memory buffer through Ray's object store; any placement (1.3 s for r=128 at 8B on GPUs)."""
+
+
+class CudaIpcSync(_Section):
+    kind: Literal["cuda_ipc"] = "cuda_ipc"
+    """A CUDA IPC handle to the learner's GPU buffer (colocated placement only: one GPU shared by all)."""
+
+
+class BroadcastSync(_Section):
+    kind: Literal["broadcast"] = "broadcast"
+    """One broadcast from the learner to every engine over a private process group: NCCL GPU to GPU in
+    split placement, gloo on the CPU (not colocated: NCCL cannot join two ranks on one GPU)."""
+    timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """How long a member waits for the others (rendezvous or broadcast) before the push fails."""
+
+
+class FileSync(_Section):
+    kind: Literal["file"] = "file"
+    """A PEFT adapter directory each engine writes and loads through vLLM's public API (the fallback);
+    the tensors travel as for host."""
+    directory: Optional[str] = None
+    """Where the engines write adapter directories; None = /dev/shm (RAM) where present, else the temp dir."""
+
+
+WEIGHT_SYNC_KINDS = ("auto", "host", "cuda_ipc", "broadcast", "file")
+WeightSyncConfig = Annotated[Union[AutoSync, HostSync, CudaIpcSync, BroadcastSync, FileSync], Field(discriminator="kind")]
+# the config keys this section replaced, for a clear error (and the upgrade of saved run configs)
+_REPLACED = {("rollout", "weight_transport"), ("placement", "adapter_route")}
 
 
 class LoggingConfig(_Section):
@@ -220,6 +254,8 @@ class RunConfig(_Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=AutoSync)
+    """How the adapter reaches the engines after each step: kind auto, host, cuda_ipc, broadcast or file."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
@@ -230,12 +266,24 @@ class RunConfig(_Section):
             raise ValueError(f"temperature: expected 1.0 (rollout logprobs are raw T=1 logprobs), found {v.temperature}")
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, raw):
+        for section, key in _REPLACED:
+            if isinstance(raw, dict) and isinstance(raw.get(section), dict) and key in raw[section]:
+                raise ValueError(f"{section}.{key}: replaced by the weight_sync section (weight_sync.kind: "
+                                 f"{' | '.join(WEIGHT_SYNC_KINDS)})")
+        return raw
+
     @model_validator(mode="after")
     def _combinations(self):
-        """Settings that validate one by one but cannot work together, or that placement cannot honour."""
+        """Settings that validate one by one but cannot work together, or that placement cannot honour;
+        then ``weight_sync: auto`` becomes the variant the placement calls for."""
         problem = combination_problem(self)
         if problem:
             raise ValueError(problem)
+        if self.weight_sync.kind == "auto":
+            self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
         return self
 
 
@@ -258,11 +306,14 @@ def combination_problem(cfg: RunConfig) -> str | None:
     if cfg.grpo.overlap_rollout and r.sleep_during_update:
         return ("grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep through the rollout they are "
                 "meant to overlap with the update; choose one")
-    if p.adapter_route == "collective" and p.mode == "colocated":
-        return ("placement.adapter_route=collective with placement.mode=colocated: NCCL cannot join two ranks on one GPU; "
+    sync = cfg.weight_sync.kind
+    if sync == "file" and r.backend != "vllm":
+        return f"weight_sync.kind=file is how vLLM loads an adapter from disk: it needs rollout.backend=vllm, found {r.backend}"
+    if sync == "broadcast" and p.mode == "colocated":
+        return ("weight_sync.kind=broadcast with placement.mode=colocated: NCCL cannot join two ranks on one GPU; "
                 "use auto (CUDA IPC) there")
-    if p.adapter_route == "cuda_ipc" and p.mode != "colocated":
-        return (f"placement.adapter_route=cuda_ipc needs placement.mode=colocated (one shared GPU), found {p.mode}; "
+    if sync == "cuda_ipc" and p.mode != "colocated":
+        return (f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), found {p.mode}; "
                 "use auto or host")
     low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
     if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
@@ -280,9 +331,17 @@ def combination_problem(cfg: RunConfig) -> str | None:
 
 
 def _describe_error(err: dict) -> str:
-    loc = ".".join(str(p) for p in err["loc"])
-    found = err.get("input")
-    kind = err["type"]
+    parts, found, kind = list(err["loc"]), err.get("input"), err["type"]
+    variant = ""
+    if parts[:1] == ["weight_sync"] and len(parts) > 1 and parts[1] in WEIGHT_SYNC_KINDS:
+        variant = f" (weight_sync.kind={parts.pop(1)})"  # pydantic names the variant inside the path
+    loc = ".".join(str(p) for p in parts)
+    if kind == "union_tag_invalid":
+        return f"{loc}.kind: expected one of {', '.join(WEIGHT_SYNC_KINDS)}, found {err['ctx']['tag']!r}"
+    if kind == "union_tag_not_found":
+        return f"{loc}.kind: missing (expected one of {', '.join(WEIGHT_SYNC_KINDS)})"
+    if variant and kind == "extra_forbidden":
+        return f"{loc}: unknown key{variant}"
     if kind == "extra_forbidden":
         return f"{loc}: unknown key"
     if kind == "value_error":
@@ -349,15 +408,39 @@ def dump_config(cfg: RunConfig) -> str:
 
 
 def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> dict[str, str]:
-    """Dotted field path -> doc string, for help texts and the docs test."""
+    """Dotted field path -> doc string, for help texts and the docs test (a variant section lists the
+    fields of every variant)."""
+    from typing import get_args
+
     out: dict[str, str] = {}
     for name, info in model.model_fields.items():
         ann = info.annotation
+        members = [a for a in get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             out.update(field_docs(ann, f"{prefix}{name}."))
+        elif members:
+            out[f"{prefix}{name}"] = info.description or ""
+            for member in members:
+                out.update(field_docs(member, f"{prefix}{name}."))
         else:
             out[f"{prefix}{name}"] = info.description or ""
     return out
+
+
+def upgrade_saved_config(raw: dict) -> dict:
+    """A run directory's config.yaml from an older version, made current so the run resumes as it ran:
+    no ``learner.forward`` = the padded update; ``rollout.weight_transport`` / ``placement.adapter_route``
+    = the ``weight_sync`` variant they chose."""
+    raw = _deep_copy(raw)
+    learner, rollout, placement = (raw.get(k) if isinstance(raw.get(k), dict) else None for k in ("learner", "rollout", "placement"))
+    if learner is not None and "forward" not in learner:
+        learner["forward"] = "padded"
+    transport = rollout.pop("weight_transport", None) if rollout is not None else None
+    route = placement.pop("adapter_route", None) if placement is not None else None
+    if "weight_sync" not in raw and (transport is not None or route is not None):
+        kind = "file" if transport == "file" else {"collective": "broadcast", None: "auto"}.get(route, route)
+        raw["weight_sync"] = {"kind": kind}
+    return raw
 
 
 def _deep_copy(obj):

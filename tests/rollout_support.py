@@ -49,16 +49,17 @@ TEST_LORA_R, TEST_LORA_ALPHA = 8, 16
 TEST_PREFILL, TEST_STOP = "<explanation>", "</explanation>"
 
 
-def tiny_config(tiny_dir, injection: dict | None = None, **rollout):
+def tiny_config(tiny_dir, injection: dict | None = None, weight_sync: str = "auto", **rollout):
     """A CPU run config on the tiny model: prefill + explanation stop, small groups, LoRA r 8."""
     from shared.config import build_config
 
     ro = {"group_size": 4, "max_new_tokens": 16, "prefill": TEST_PREFILL, "extra_stop_tokens": [TEST_STOP],
-          "weight_transport": "memory", "max_loras": 2, **rollout}
+          "max_loras": 2, **rollout}
     return build_config({
         "model": {"path": str(Path(tiny_dir) / "model"), "dtype": "float32"},
         "injection": injection or {}, "rollout": ro,
         "learner": {"lora_r": TEST_LORA_R, "lora_alpha": TEST_LORA_ALPHA},
+        "weight_sync": {"kind": weight_sync},
     })
 
 

@@ -42,12 +42,42 @@ def test_overrides_and_roundtrip(tmp_path):
     ({"learner": {"forward": "fused"}}, "learner.forward"),
     ({"placement": {"mode": "cluster"}}, "placement.mode"),
     ({"critic": {"train": "yes"}}, "critic.train"),
+    ({"weight_sync": {"kind": "nccl"}}, "weight_sync.kind: expected one of auto, host, cuda_ipc, broadcast, file, found 'nccl'"),
+    ({"weight_sync": {"timeout_s": 5}}, "weight_sync.kind: missing"),
+    ({"weight_sync": {"kind": "host", "timeout_s": 5}}, "weight_sync.timeout_s: unknown key (weight_sync.kind=host)"),
+    ({"weight_sync": {"kind": "broadcast", "timeout_s": 0}}, "weight_sync.timeout_s"),
+    ({"rollout": {"weight_transport": "file"}}, "rollout.weight_transport: replaced by the weight_sync section"),
+    ({"placement": {"adapter_route": "host"}}, "placement.adapter_route: replaced by the weight_sync section"),
 ])
 def test_bad_config_names_field(raw, needle):
     with pytest.raises(NlaInputError) as exc:
         build_config(raw, "my.yaml")
     msg = str(exc.value)
     assert msg.startswith("my.yaml: ") and needle in msg and "\n" not in msg
+
+
+def test_weight_sync_variants_and_overrides():
+    cfg = build_config({"weight_sync": {"kind": "file", "directory": "/tmp/adapters"}}, "c")
+    assert cfg.weight_sync.kind == "file" and cfg.weight_sync.directory == "/tmp/adapters"
+    cfg = build_config({}, "c", ["placement.mode=cpu", "weight_sync.kind=broadcast", "weight_sync.timeout_s=30"])
+    assert cfg.weight_sync.kind == "broadcast" and cfg.weight_sync.timeout_s == 30
+    assert build_config(yaml.safe_load(dump_config(cfg)), "again") == cfg  # the resolved variant round-trips
+    assert "weight_sync.timeout_s" in field_docs() and "weight_sync.directory" in field_docs()
+
+
+def test_a_saved_config_from_before_weight_sync_resumes_as_it_ran():
+    from shared.config import upgrade_saved_config
+
+    old = yaml.safe_load(dump_config(RunConfig()))
+    old.pop("weight_sync")
+    for (transport, route, mode), kind in {("memory", "auto", "colocated"): "cuda_ipc", ("memory", "auto", "split"): "broadcast",
+                                           ("memory", "collective", "cpu"): "broadcast", ("memory", "host", "split"): "host",
+                                           ("file", "auto", "cpu"): "file", ("memory", "auto", "cpu"): "host"}.items():
+        raw = {**old, "rollout": {**old["rollout"], "weight_transport": transport},
+               "placement": {**old["placement"], "mode": mode, "adapter_route": route},
+               "critic": {**old["critic"], "lora_r": 8}}
+        assert build_config(upgrade_saved_config(raw), "saved").weight_sync.kind == kind, (transport, route, mode)
+    assert "adapter_route" in raw["placement"]  # the caller's mapping is left as it was
 
 
 def test_bad_override_and_files(tmp_path):

@@ -22,9 +22,18 @@ class FakeLearner:
     def versions_seen(self):
         return self.sampled_by
 
-    def export_adapter(self, route="host"):
-        assert route == "host"  # the cpu placement never asks for a CUDA IPC handle
-        return AdapterUpdate(self.version, {}, {})
+    def weight_sync_rendezvous(self, world_size):
+        assert world_size >= 2  # the learner and at least one engine
+        return None
+
+    def connect_weight_sync(self, rendezvous):
+        pass
+
+    def export_adapter(self):
+        return AdapterUpdate(self.version, {}, {})  # stands in for the message: the engines read its version
+
+    def send_adapter(self, message):
+        assert message.version == self.version
 
     def save(self, directory):
         os.makedirs(directory)
@@ -60,6 +69,9 @@ class FakeCritic:
 class FakeRollout:
     def __init__(self, group, die_at_call=None):
         self.version, self.calls, self.group, self.die_at_call = 0, 0, group, die_at_call
+
+    def connect_weight_sync(self, rendezvous, rank):
+        assert rank >= 1  # rank 0 is the learner
 
     def load_adapter(self, update):
         self.version = update.version

@@ -1,8 +1,6 @@
 """GPU-only checks (skipped without CUDA + vLLM): bf16 rollout/learner parity through every push route,
-CUDA IPC between processes, and the tiny job on Ray in colocated (with vLLM sleep) and split placement."""
+the tiny job on Ray in colocated (with vLLM sleep) and split placement."""
 import json
-import multiprocessing
-import pickle
 
 import numpy as np
 import pytest
@@ -31,7 +29,7 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    base = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=24, weight_transport=transport,
+    base = tiny_config(tiny_dir, injection, "file" if transport == "file" else "auto", group_size=4, max_new_tokens=24,
                        gpu_memory_utilization=0.2, enforce_eager=True)
     raw = base.model_dump(mode="python")
     raw["model"]["dtype"] = "bfloat16"
@@ -56,31 +54,6 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
             learner.update(samples, adv, vectors)
     finally:
         engine.close()
-
-
-def _receive(blob, conn):
-    from shared.tensor_wire import unpack_tensors
-
-    out = unpack_tensors(pickle.loads(blob), "cuda")
-    conn.send({k: (str(v.device), v.double().sum().item()) for k, v in out.items()})
-
-
-def test_cuda_ipc_reaches_another_process(tiny_dir):
-    from shared.tensor_wire import pack_tensors
-
-    src = {"a": torch.randn(300, 128, device="cuda", dtype=torch.bfloat16), "b": torch.randn(7, device="cuda")}
-    packed = pack_tensors(src, "cuda_ipc")
-    blob = pickle.dumps(packed)
-    assert len(blob) < 10_000  # a handle, not the data
-    ctx = multiprocessing.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_receive, args=(blob, theirs))
-    child.start()
-    got = ours.recv()
-    child.join(60)
-    assert child.exitcode == 0
-    for k, t in src.items():
-        assert got[k][0].startswith("cuda") and got[k][1] == pytest.approx(t.double().sum().item(), rel=1e-6)
 
 
 def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
@@ -116,10 +89,10 @@ def test_colocated_job_with_vllm_sleep_learns_on_one_gpu(tiny_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("route", ["host", "collective"])
+@pytest.mark.parametrize("route", ["host", "broadcast"])
 def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
     """Rollout on one GPU, learner + critic on the other; the adapter through host memory or NCCL."""
     rows = _gpu_job(tiny_dir, tmp_path / f"split-{route}", 20, "placement.mode=split", "placement.learner_gpus=1",
-                    f"placement.adapter_route={route}", "logging.eval_every=10")
+                    f"weight_sync.kind={route}", "logging.eval_every=10")
     assert rows[-1]["adapter_version"] == 21
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3

@@ -144,7 +144,7 @@ def test_two_engines_and_collective_push_give_the_same_run(tiny_dir, tmp_path):
     common = ["--steps", "3", "--set", "logging.eval_every=0", "--set", "checkpointing.every=0"]
     host, coll = tmp_path / "host", tmp_path / "collective"
     _train(tiny_dir, host, *common)
-    res = _train(tiny_dir, coll, *common, "--set", "placement.adapter_route=collective", "--set", "rollout.num_engines=2")
+    res = _train(tiny_dir, coll, *common, "--set", "weight_sync.kind=broadcast", "--set", "rollout.num_engines=2")
     assert "adapter v1 on 2 engine(s)" in res.stdout + res.stderr
     assert _comparable(_metrics(host)) == _comparable(_metrics(coll))
     assert max(r["logprob_mismatch_k3"] for r in _metrics(coll)) < 1e-4  # the engines sample the pushed weights

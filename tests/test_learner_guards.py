@@ -1,7 +1,6 @@
 """Guards found in review: SFT adapters with dropout, NaN rollout logprobs, partly skipped PPO epochs,
 settings that cannot work together, and the engine's LoRA limits for a loaded adapter."""
 import dataclasses
-import json
 import math
 
 import pytest
@@ -88,12 +87,13 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"placement": {"mode": "colocated"}, "critic": {"train": True}}, "critic.lora_r=0"),
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
     ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout on GPUs"),
-    ({"placement": {"mode": "colocated", "adapter_route": "collective"}}, "NCCL cannot join two ranks on one GPU"),
+    ({"placement": {"mode": "colocated"}, "weight_sync": {"kind": "broadcast"}}, "NCCL cannot join two ranks on one GPU"),
     ({"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}}, "learner.ppo_epochs > 1"),
     ({"grpo": {"overlap_rollout": True}, "rollout": {"sleep_during_update": True}, "placement": {"mode": "colocated"}},
      "grpo.overlap_rollout with rollout.sleep_during_update"),
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
-    ({"placement": {"mode": "split", "adapter_route": "cuda_ipc"}}, "adapter_route=cuda_ipc needs placement.mode=colocated"),
+    ({"placement": {"mode": "split"}, "weight_sync": {"kind": "cuda_ipc"}}, "weight_sync.kind=cuda_ipc needs placement.mode=colocated"),
+    ({"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}}, "weight_sync.kind=file .* needs rollout.backend=vllm"),
     ({"injection": {"mode": "karvonen", "karvonen_layer": 2}}, r"injection.karvonen_layer: expected 0\.\.1 \(.* has 2 decoder blocks\)"),
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"mode": "split", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
@@ -113,13 +113,12 @@ def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
 
 
 @pytest.mark.parametrize("mode,route,resolved", [
-    ("cpu", "auto", "host"), ("colocated", "auto", "cuda_ipc"), ("split", "auto", "collective"),
-    ("split", "host", "host"), ("cpu", "collective", "collective"),
+    ("cpu", "auto", "host"), ("colocated", "auto", "cuda_ipc"), ("split", "auto", "broadcast"),
+    ("split", "host", "host"), ("cpu", "broadcast", "broadcast"),
 ])
-def test_auto_adapter_route_follows_placement(tiny_dir, mode, route, resolved):
-    from orchestrator.driver import adapter_route
+def test_auto_weight_sync_follows_placement(tiny_dir, mode, route, resolved):
     from shared.config import build_config
 
     raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
-           "placement": {"mode": mode, "adapter_route": route}}
-    assert adapter_route(build_config(raw, "t")) == resolved
+           "placement": {"mode": mode}, "weight_sync": {"kind": route}}
+    assert build_config(raw, "t").weight_sync.kind == resolved

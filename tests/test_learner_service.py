@@ -206,15 +206,16 @@ def test_export_adapter(tiny_dir, rollouts):
 
 
 def test_packed_export_carries_the_same_adapter(tiny_dir, rollouts):
-    from shared.tensor_wire import PackedTensors, unpack_tensors
+    from shared.weight_sync import make_receiver, make_sender
 
     samples, vectors = rollouts["embed"]
     learner = _learner(tiny_dir, lr=1e-2)
     learner.update(samples, _adv(len(samples)), vectors)
-    plain, packed = learner.export_adapter(), learner.export_adapter(route="host")
-    assert isinstance(packed.tensors, PackedTensors) and packed.version == plain.version == 2
+    plain = learner.export_adapter()
+    packed = make_sender("host").export(learner.export_adapter(device="live"))  # what LearnerActor sends
+    assert packed.version == plain.version == 2
     assert packed.peft_config == plain.peft_config
-    assert _equal(unpack_tensors(packed.tensors, "cpu"), plain.tensors)
+    assert _equal(make_receiver("host").receive(packed, "cpu").tensors, plain.tensors)
 
 
 def test_mismatched_samples_are_masked_out_of_the_loss(tiny_dir, rollouts):

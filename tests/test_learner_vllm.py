@@ -8,8 +8,10 @@ from test_learner_support import load_tiny_spec, make_cfg, prompts_and_vectors
 
 def _cfg(tiny_dir, transport):
     cfg = make_cfg(tiny_dir, "embed", lr=1e-2, micro_batch=8)
-    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={
-        "group_size": 3, "max_new_tokens": 8, "weight_transport": transport})})
+    from shared.config import FileSync, HostSync
+
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 3, "max_new_tokens": 8}),
+                                  "weight_sync": FileSync() if transport == "file" else HostSync()})
 
 
 def _max_gap(learner, samples, vectors, adapter="default"):

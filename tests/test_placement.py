@@ -57,10 +57,11 @@ def ray_gpus():
     ray.shutdown()
 
 
-def _cfg(tiny_dir, placement, **rollout):
+def _cfg(tiny_dir, placement, weight_sync="auto", **rollout):
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
                         "rollout": {"group_size": 2, **rollout}, "grpo": {"steps": 3, "prompts_per_step": 5},
-                        "placement": placement, "logging": {"eval_every": 0}, "checkpointing": {"every": 0}}, "test")
+                        "placement": placement, "weight_sync": {"kind": weight_sync},
+                        "logging": {"eval_every": 0}, "checkpointing": {"every": 0}}, "test")
     return absolute_paths(cfg, ROOT)
 
 
@@ -85,7 +86,7 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
     from orchestrator.driver import train
 
     # logical GPUs without CUDA: the push goes through host memory (NCCL, split's default, needs real GPUs)
-    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True, "adapter_route": "host"}, num_engines=2)
+    cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True}, "host", num_engines=2)
     assert gpu_count_needed(cfg) == 4
     s = start_services(cfg, None, _classes(ray_gpus))
     try:

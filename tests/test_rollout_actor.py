@@ -25,6 +25,7 @@ def test_actor_matches_in_process_engine(ray_session, tiny_dir, backend):
         pytest.importorskip("vllm")
     from rollout.actor import RolloutActor, make_engine
     from shared.actors import remote
+    from shared.weight_sync import make_sender
 
     ray = ray_session
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
@@ -38,7 +39,8 @@ def test_actor_matches_in_process_engine(ray_session, tiny_dir, backend):
             if version is not None:
                 update = update_for(cfg, version, seed=version)
                 local.load_adapter(update)
-                assert ray.get(actor.load_adapter.remote(update), timeout=300) == version
+                message = make_sender(cfg.weight_sync).export(update)  # as the learner's actor sends it
+                assert ray.get(actor.load_adapter.remote(message), timeout=300) == version
             remote = ray.get(actor.generate.remote(reqs, 7), timeout=300)
             here = local.generate(reqs, 7)
             assert samples_key(remote) == samples_key(here)

@@ -16,7 +16,7 @@ def setup(tiny_dir):
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    cfg = tiny_config(tiny_dir, group_size=4, max_new_tokens=24, weight_transport="file", max_loras=2)
+    cfg = tiny_config(tiny_dir, group_size=4, max_new_tokens=24, weight_sync="file", max_loras=2)
     engine, hf = VllmEngine(cfg, spec), HfEngine(cfg, spec)
     reqs = tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 4, prefill=cfg.rollout.prefill)
     yield engine, hf, reqs

@@ -18,7 +18,7 @@ def spec(tiny_dir):
 
 @pytest.fixture(scope="module")
 def cfg(tiny_dir):
-    return tiny_config(tiny_dir, group_size=8, max_new_tokens=40, weight_transport="memory")
+    return tiny_config(tiny_dir, group_size=8, max_new_tokens=40)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,26 @@
+"""The README's "piece | where" table names the project's real layout: every place it names exists,
+and every package and top-level module of the installed project appears in it."""
+import re
+
+from conftest import ROOT
+
+
+def _table_places() -> list[str]:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("| piece | where |"):]
+    table = table[: table.index("\n\n")]
+    return [p for row in table.splitlines()[2:] for p in re.findall(r"`([^`]+)`", row.rsplit("|", 2)[1])]
+
+
+def test_every_place_in_the_table_exists():
+    places = _table_places()
+    assert places and all((ROOT / p).exists() for p in places), [p for p in places if not (ROOT / p).exists()]
+
+
+def test_every_package_is_in_the_table():
+    places = _table_places()
+    include = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # packages.find
+    packages = sorted({i.strip().strip('"').rstrip("*") for i in include.split(",")})
+    assert packages and all(f"{p}/" in places for p in packages), (packages, places)
+    on_disk = sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file())
+    assert on_disk == packages  # a new package is installed and documented, or it is not a package
