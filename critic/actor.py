@@ -12,19 +12,34 @@ class CriticActor:
     def __init__(self, cfg, spec, device: str = "cpu"):
         from critic.scoring import Critic
 
-        self.service = Critic(cfg, spec, device)
+        from shared.collective import DataParallel
+
+        self.critic = Critic(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
 
     def score(self, explanations, activations):
-        return self.service.score(explanations, activations)
+        return self.critic.score(explanations, activations)
+
+    def score_share(self, explanations, activations):
+        return self.critic.score_share(explanations, activations)
 
     def train_step(self, explanations, activations):
-        return self.service.train_step(explanations, activations)
+        return self.critic.train_step(explanations, activations)
 
     def save(self, ckpt_dir, optimizer: bool = True):
-        self.service.save(ckpt_dir, optimizer=optimizer)
+        self.critic.save(ckpt_dir, optimizer=optimizer)
 
     def load(self, ckpt_dir, require_optimizer: bool = False):
-        self.service.load(ckpt_dir, require_optimizer=require_optimizer)
+        self.critic.load(ckpt_dir, require_optimizer=require_optimizer)
 
     def describe(self):
-        return self.service.describe()
+        return self.critic.describe()
+
+    def checksum(self):
+        return self.critic.checksum()
+
+    # ---- data-parallel ranks (orchestrator.groups joins them) ----
+    def data_parallel_rendezvous(self, world_size: int):
+        return self.critic.dp.serve(world_size)
+
+    def join_data_parallel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        self.critic.dp.join(host, port, rank, world_size, backend)

@@ -54,11 +54,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class Critic:
     """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
 
-    def __init__(self, cfg, spec, device: str = "cpu"):
+    def __init__(self, cfg, spec, device: str = "cpu", data_parallel=None):
         from shared.check import load_tokenizer
+        from shared.collective import DataParallel
         from shared.torch_utils import resolve_dtype
 
         self.cfg = cfg
+        # co-training across data-parallel ranks: each sees its shard, gradients and counts are summed
+        self.dp = data_parallel or DataParallel()
         self.spec = spec
         self.device = device
         self.mse_scale = spec.mse_scale
@@ -157,18 +160,34 @@ class Critic:
             out[chunk] = self.model(*self._batch([ids_list[i] for i in chunk])).cpu()
         return out
 
+    def _plan(self, ids: list[list[int] | None]) -> list[list[int]]:
+        """Micro-batches of sample indices (length-sorted valid samples); every rank makes the same plan."""
+        return list(_chunks(self._length_order(ids), self.cfg.critic.micro_batch))
+
+    def _share(self, plan: list[list[int]], ids) -> list[list[int]]:
+        return [plan[j] for j in self.dp.share([sum(len(ids[i]) for i in chunk) for chunk in plan])]
+
     @torch.no_grad()
-    def score(self, explanations: list[str | None], activations) -> list[float | None]:
-        """Normalised MSE per sample; None for a missing explanation, an over-long prompt or a non-finite result."""
+    def score(self, explanations: list[str | None], activations, mine: bool = False) -> list[float | None]:
+        """Normalised MSE per sample; None for a missing explanation, an over-long prompt or a non-finite
+        result. ``mine``: only this data-parallel rank's micro-batches are scored (the rest stay None)."""
         golds = self._golds(activations, len(explanations))
         ids = self.encode(explanations)
         scores: list[float | None] = [None] * len(explanations)
-        for chunk in _chunks(self._length_order(ids), self.cfg.critic.micro_batch):
+        plan = self._plan(ids)
+        for chunk in (self._share(plan, ids) if mine else plan):
             pred = self.model(*self._batch([ids[i] for i in chunk]))
             mse = normalized_mse(pred, golds[chunk].to(pred.device), self.mse_scale)
             for i, value in zip(chunk, mse.tolist()):
                 scores[i] = value if math.isfinite(value) else None
         return scores
+
+    def score_share(self, explanations: list[str | None], activations) -> list[tuple[int, float | None]]:
+        """``(index, score)`` for this rank's micro-batches: ranks together score each sample once."""
+        ids = self.encode(explanations)
+        mine = [i for chunk in self._share(self._plan(ids), ids) for i in chunk]
+        scores = self.score(explanations, activations, mine=True)
+        return [(i, scores[i]) for i in mine]
 
     # ---- co-training -----------------------------------------------------------------------
     def _ensure_optimizer(self):
@@ -185,17 +204,20 @@ class Critic:
         clipping), ``critic_skipped`` (True when no step was taken: no valid sample, or a non-finite
         loss or norm) and ``critic_n`` (samples used). Values not computed are NaN.
         """
+        from shared.collective import GradientSums
+
         golds = self._golds(activations, len(explanations))
         ids = self.encode(explanations)
-        order = self._length_order(ids)
-        n = len(order)
+        plan = self._plan(ids)
+        n = sum(len(chunk) for chunk in plan)  # every rank holds the whole batch, and runs its share
         result = {"critic_loss": float("nan"), "critic_grad_norm": float("nan"), "critic_skipped": True, "critic_n": n}
         if n == 0:
             return result
         optimizer = self._ensure_optimizer()
         optimizer.zero_grad(set_to_none=True)
+        sums = GradientSums(self.trainable, several=len(plan) > 1 or self.dp.world_size > 1)
         total, finite = 0.0, True
-        for chunk in _chunks(order, self.cfg.critic.micro_batch):
+        for chunk in self._share(plan, ids):
             pred = self.model(*self._batch([ids[i] for i in chunk]))
             # weighted by the chunk's share so that the accumulated gradient is the full-batch mean's
             loss = normalized_mse(pred, golds[chunk].to(pred.device), self.mse_scale).mean() * (len(chunk) / n)
@@ -203,8 +225,11 @@ class Critic:
                 finite = False
                 break
             loss.backward()
+            sums.add()
             total += float(loss.detach())
-        if finite:
+        failed, total = self.dp.sum_values([0.0 if finite else 1.0, total], self.device)
+        if not failed:  # every rank decides alike: a non-finite loss anywhere skips the step everywhere
+            sums.finish(self.dp)
             result["critic_loss"] = total
             norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.cfg.critic.max_grad_norm))
             result["critic_grad_norm"] = norm
@@ -213,6 +238,12 @@ class Critic:
                 result["critic_skipped"] = False
         optimizer.zero_grad(set_to_none=True)
         return result
+
+    def checksum(self) -> list[float]:
+        """A cheap fingerprint of the trained weights (float64 sums): data-parallel ranks hold the same bits."""
+        with torch.no_grad():
+            x = [p.detach().double() for p in self.trainable]
+            return [float(sum(t.sum() for t in x)), float(sum((t * t).sum() for t in x))]
 
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, ckpt_dir: str | Path, optimizer: bool = True) -> None:

@@ -12,7 +12,9 @@ class LearnerActor:
         from learner.service import Learner
         from shared.weight_sync import make_sender
 
-        self.learner = Learner(cfg, spec, device)
+        from shared.collective import DataParallel
+
+        self.learner = Learner(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
         self.sender = make_sender(cfg.weight_sync, device)  # owns each export's buffer (shared.weight_sync)
 
     def update(self, samples, advantages, vectors) -> dict:
@@ -47,3 +49,13 @@ class LearnerActor:
 
     def version(self) -> int:
         return self.learner.version
+
+    def checksum(self) -> list[float]:
+        return self.learner.checksum()
+
+    # ---- data-parallel ranks (orchestrator.groups joins them) ----
+    def data_parallel_rendezvous(self, world_size: int):
+        return self.learner.dp.serve(world_size)
+
+    def join_data_parallel(self, host: str, port: int, rank: int, world_size: int, backend: str) -> None:
+        self.learner.dp.join(host, port, rank, world_size, backend)

@@ -18,7 +18,9 @@ import torch
 
 from learner.grpo import grpo_loss, logprob_mismatch
 from learner.policy import POLICY, REFERENCE, Policy
+from shared.collective import GradientSums
 
+QUANTUM_TOKENS = 512  # the smallest per-rank token budget under micro_batch auto
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "learner_state.json"
 OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
@@ -94,6 +96,8 @@ def _padded(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
 
 def _mismatch(rollout: list[torch.Tensor], learner: list[torch.Tensor]) -> tuple[list[float], list[float]]:
     """Per-sample (mean |Δlogp|, k3) between ragged rollout and learner logprob rows."""
+    if not rollout:  # a data-parallel rank with no sample
+        return [], []
     T = max(x.numel() for x in rollout)
     mask = torch.arange(T).unsqueeze(0) < torch.tensor([x.numel() for x in rollout]).unsqueeze(1)
     a, k = logprob_mismatch(_padded(rollout, T, "cpu"), _padded(learner, T, "cpu"), mask)
@@ -103,11 +107,15 @@ def _mismatch(rollout: list[torch.Tensor], learner: list[torch.Tensor]) -> tuple
 class Learner:
     """HF + PEFT policy trained with GRPO; see the module doc string for one update's shape."""
 
-    def __init__(self, cfg, spec, device: str = "cpu"):
+    def __init__(self, cfg, spec, device: str = "cpu", data_parallel=None):
+        from shared.collective import DataParallel
         from shared.torch_utils import make_adamw
 
         self.cfg, self.spec = cfg, spec
         self.device = torch.device(device)
+        # this learner's place among the data-parallel ranks: each update sees its shard of the batch,
+        # and sums (gradients, counts, metric numerators) run over every rank before they are used
+        self.dp = data_parallel or DataParallel()
         self.policy = Policy(cfg, spec, device)
         self.model = self.policy.model
         self.params = self.policy.trainable_parameters()
@@ -131,13 +139,18 @@ class Learner:
             # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
             # needs a few chunks of fp32 logits besides the activations
             reserve = 0 if self.optimizer.state else 3 * sum(p.numel() * p.element_size() for p in self.params)
-            self.micro_batch_tokens = plan_tokens(self.model.get_base_model().config, self.cfg.learner.lora_r, elem,
-                                                  self.cfg.learner.gradient_checkpointing, self.device,
-                                                  reserve + 3 * CHUNK_BYTES)
+            # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
+            if self.dp.world_size > 1:
+                reserve += 2 * sum(p.numel() * p.element_size() for p in self.params)
+            budget = plan_tokens(self.model.get_base_model().config, self.cfg.learner.lora_r, elem,
+                                 self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES)
+            # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
+            self.micro_batch_tokens = int(self.dp.min_value(budget, self.device))
         return self.micro_batch_tokens
 
-    def _micro_batches(self, items: list[_Item]):
-        """``(idx, batch)`` per micro-batch: ``idx[s]`` is the item that sample ``s`` of ``batch`` scores."""
+    def _plan(self, items: list[_Item]) -> list:
+        """The micro-batches one rank would run on ``items``, as ``(tokens, build)`` pairs: ``build()``
+        gives ``(idx, batch)``, ``idx[s]`` being the item that sample ``s`` of ``batch`` scores."""
         mb = self.cfg.learner.micro_batch
         budget = self._token_budget()
         if self.policy.packed:
@@ -148,28 +161,54 @@ class Learner:
             max_samples = None if mb == "auto" else mb
             if budget is None:
                 budget = mb * max((len(it.prompt_ids) + len(it.response_ids) for it in items), default=1)
+            elif self.dp.world_size > 1:  # auto: enough micro-batches for every rank to have work
+                total = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
+                budget = max(QUANTUM_TOKENS, min(budget, -(-total // self.dp.world_size)))
             rows = build_rows([it.prompt_ids for it in items], [it.site for it in items], [it.vector for it in items],
                               [len(it.response_ids) for it in items], None, budget)
-            for group in plan_micro_batches(rows, max_samples, budget):
-                batch = pack(group, [it.response_ids for it in items], self.policy.pad_id, self.device)
-                yield batch.members, batch
-            return
+            responses = [it.response_ids for it in items]
+
+            def packed(group):
+                def build():
+                    batch = pack(group, responses, self.policy.pad_id, self.device)
+                    return batch.members, batch
+                return sum(r.length for r in group), build
+
+            return [packed(group) for group in plan_micro_batches(rows, max_samples, budget)]
         if mb == "auto":
             mb = max(1, budget // max(len(it.prompt_ids) + len(it.response_ids) for it in items))
-        for start in range(0, len(items), mb):
+            if self.dp.world_size > 1:
+                mb = max(1, min(mb, -(-len(items) // self.dp.world_size)))
+
+        def padded(start):
             chunk = items[start: start + mb]
-            batch = self.policy.batch([it.prompt_ids for it in chunk], [it.response_ids for it in chunk],
-                                      [it.site for it in chunk], torch.stack([it.vector for it in chunk]))
-            yield list(range(start, start + len(chunk))), batch
+
+            def build():
+                batch = self.policy.batch([it.prompt_ids for it in chunk], [it.response_ids for it in chunk],
+                                          [it.site for it in chunk], torch.stack([it.vector for it in chunk]))
+                return list(range(start, start + len(chunk))), batch
+            return sum(len(it.prompt_ids) + len(it.response_ids) for it in chunk), build
+
+        return [padded(start) for start in range(0, len(items), mb)]
+
+    def _micro_batches(self, items: list[_Item], mine: bool = True):
+        """``(idx, batch)`` per micro-batch of the plan: with ``mine``, only this rank's share of it
+        (``shared.collective.deal_micro_batches``), so N ranks run exactly the micro-batches one would."""
+        if not items:
+            return
+        plan = self._plan(items)
+        for j in (self.dp.share([tokens for tokens, _ in plan]) if mine else range(len(plan))):
+            yield plan[j][1]()
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _score(self, items: list[_Item], adapter: str) -> list[torch.Tensor]:
+    def _score(self, items: list[_Item], adapter: str, mine: bool = True) -> list[torch.Tensor]:
+        """Logprobs per item (``mine``: only for this rank's micro-batches, None elsewhere)."""
         out: list = [None] * len(items)
         was_training = self.model.training
         self.model.eval()
         try:
-            for idx, batch in self._micro_batches(items):
+            for idx, batch in self._micro_batches(items, mine):
                 with self.policy.injecting(batch), self.policy.using(adapter):
                     logp, _ = self.policy.forward_logprobs(batch)
                 for r, i in enumerate(idx):
@@ -184,7 +223,7 @@ class Learner:
             raise ValueError(f"adapter: expected {POLICY!r} or {REFERENCE!r}, found {adapter!r}")
         items = _items(samples, vectors)
         result: list[list[float]] = [[] for _ in samples]
-        for it, lp in zip(items, self._score(items, adapter)):
+        for it, lp in zip(items, self._score(items, adapter, mine=False)):
             result[it.index] = lp.tolist()
         return result
 
@@ -197,13 +236,18 @@ class Learner:
         are those of the batch mean; masked samples are corrected for afterwards.
         """
         g = self.cfg.grpo
-        n = len(items)
+        n = len(items)  # every rank holds the whole batch and runs its share of the micro-batches
         kept, loss_sum, kl_sum, clip_sum = 0, 0.0, 0.0, 0.0
         decide = keep is None
         keep = list(keep) if keep is not None else [True] * n
         mm_abs, mm_k3 = [0.0] * n, [0.0] * n
+        mine: list[int] = []  # the items this rank scored
+        # on one rank autograd's own fp32 accumulation (the fastest path); on several, float64 sums, so
+        # the result does not depend on how the micro-batches were dealt
+        sums = GradientSums(self.params, several=self.dp.world_size > 1)
         self.model.train()
         for idx, batch in self._micro_batches(items):
+            mine += idx
             chunk = [items[i] for i in idx]
             T = max(len(it.response_ids) for it in chunk)
             adv = torch.tensor([it.advantage for it in chunk], dtype=torch.float32, device=self.device)
@@ -226,9 +270,15 @@ class Learner:
                 loss, m = grpo_loss(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta, sample_mask=row_keep, denominator=n)
                 if m["samples"]:
                     loss.backward()
+                    sums.add()
                     loss_sum, kl_sum, clip_sum = loss_sum + m["loss_sum"], kl_sum + m["kl_sum"], clip_sum + m["clip_sum"]
                     kept += m["samples"]
             del new_lp, ref_lp, loss
+        # the sums over every rank's micro-batches: what one rank running them all would hold
+        kept, loss_sum, kl_sum, clip_sum, masked = self.dp.sum_values(
+            [kept, loss_sum, kl_sum, clip_sum, sum(1 for i in mine if not keep[i])], self.device)
+        kept = int(kept)
+        sums.finish(self.dp)
         if 0 < kept < n:
             for p in self.params:
                 if p.grad is not None:
@@ -239,9 +289,11 @@ class Learner:
             "clip_frac": clip_sum / kept if kept else 0.0,
             "kept": kept,
             "keep": keep,
+            "masked": int(masked),
         }
         if decide:
-            out["mismatch"] = (mm_abs, mm_k3)
+            mm_abs_sum, mm_k3_sum = self.dp.sum_values([sum(mm_abs), sum(mm_k3)], self.device)
+            out["mismatch"] = (mm_abs_sum / n, mm_k3_sum / n)
         return out
 
     def _optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
@@ -278,9 +330,12 @@ class Learner:
                     "learner/tflops": 0.0, "learner/micro_batch_tokens": self.micro_batch_tokens or 0}
         rollout = [it.rollout_logp for it in items]
         if epochs > 1:
-            old = self._score(items, POLICY)
-            mm_abs, mm_k3 = _mismatch(rollout, old)
-            keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in mm_k3]
+            # this rank's micro-batches only (the others' old logprobs are theirs to compute)
+            old = [o if o is not None else r for o, r in zip(self._score(items, POLICY), rollout)]
+            per_abs, per_k3 = _mismatch(rollout, old)
+            keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in per_k3]
+            # an item of another rank's share compares its rollout logprobs with themselves: 0, counted there
+            mm_abs, mm_k3 = (v / len(items) for v in self.dp.sum_values([sum(per_abs), sum(per_k3)], self.device))
         else:
             old, keep = rollout, None
         stepped, ran, norm = 0, 0, 0.0
@@ -290,6 +345,7 @@ class Learner:
             if keep is None:
                 keep = stats["keep"]
                 mm_abs, mm_k3 = stats["mismatch"]
+            masked = stats["masked"]
             norm, skipped = self._optimizer_step(stats["loss"], stats["kept"])
             if skipped:
                 break
@@ -297,7 +353,6 @@ class Learner:
         # "skipped" means the weights did not move at all; a later epoch failing after an earlier
         # one stepped still changed the policy (and its version), which must be pushed
         skipped = stepped == 0
-        masked = sum(1 for k in keep if not k)
         if masked:
             warnings.warn(f"learner: {masked}/{len(items)} samples masked (rollout/learner logprob k3 > "
                           f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed"
@@ -317,7 +372,7 @@ class Learner:
         flops = (6 * ran + (2 if epochs > 1 else 0)) * self.base_params * tokens
         return {
             "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
-            "logprob_mismatch_mean_abs": sum(mm_abs) / len(mm_abs), "logprob_mismatch_k3": sum(mm_k3) / len(mm_k3),
+            "logprob_mismatch_mean_abs": mm_abs, "logprob_mismatch_k3": mm_k3,
             "masked": masked, "skipped": skipped,
             "learner/tokens_per_s": tokens * ran / seconds,
             "learner/tflops": flops / seconds / 1e12,
@@ -347,6 +402,20 @@ class Learner:
         copy = {"cpu": cpu_copy, "same": lambda t: t.detach().clone().contiguous(), "live": lambda t: t.detach()}[device]
         return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()},
                              peft_config=self._peft_config(POLICY))
+
+    def checksum(self) -> list[float]:
+        """A cheap fingerprint of the trained state (float64 sums over the policy adapter and the first
+        optimiser moments): data-parallel ranks that took the same steps hold the same bits."""
+        with torch.no_grad():
+            total = torch.zeros(3, dtype=torch.float64, device=self.device)
+            for p in self.params:
+                x = p.detach().double()
+                total[0] += x.sum()
+                total[1] += (x * x).sum()
+                moment = self.optimizer.state.get(p, {}).get("exp_avg")
+                if moment is not None:
+                    total[2] += moment.double().abs().sum()
+        return [self.step, self.version, *total.tolist()]
 
     def save(self, directory) -> Path:
         """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""

@@ -140,8 +140,9 @@ def _train(args) -> int:
 
 def _run_services(job, run, resume_from) -> int:
     from orchestrator.driver import train
-    from orchestrator.placement import start_ray, start_services, stop_services
+    from orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
     from orchestrator.plot import write_plots
+    from shared.errors import NlaInputError
 
     cfg = job.cfg
     wandb_run = None
@@ -151,6 +152,14 @@ def _run_services(job, run, resume_from) -> int:
         wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb, dir=str(run.path),
                                config=cfg.model_dump(mode="json"), name=run.path.name)
     start_ray()
+    try:
+        check_run_dir_visible(run.path)
+    except NlaInputError:
+        if resume_from is None:  # a new run leaves nothing behind
+            import shutil
+
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     print(f"[ray] starting services (placement {cfg.placement.mode}, rollout backend {cfg.rollout.backend})", flush=True)
     services = None
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from orchestrator.groups import RankFailure
 from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
@@ -47,11 +48,10 @@ def _mean(xs):
 
 def _score(services, job: Job, samples, vectors):
     """Explanations, critic mses and rewards for a list of samples."""
-    import ray
 
     cfg = job.cfg
     expl = [explanation_for(s.text, s.finish_reason, s.marker_echo, cfg.rollout.cap_is_failure) for s in samples]
-    mses = ray.get(services.critic.score.remote(expl, vectors))
+    mses = services.critic.score(expl, vectors)
     rewards = rewards_for(mses, cfg.grpo.reward_kind, cfg.grpo.failed_reward)
     return expl, mses, rewards
 
@@ -102,11 +102,9 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     The caller commits it (renames it into place) only after the step's metrics are written, so a
     kill in between resumes from the previous checkpoint and redoes the step with its log line.
     """
-    import ray
-
     tmp = run.checkpoint_tmp(step)
-    ray.get(services.critic.save.remote(str(tmp / "critic")))
-    ray.get(services.learner.save.remote(str(tmp / "policy")))
+    services.critic.save(str(tmp / "critic"))
+    services.learner.save(str(tmp / "policy"))
     feed.save(tmp)
     state = {"step": step, "order": order.state(), "adapter_version": version}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -123,13 +121,13 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     cfg = job.cfg
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
     overlap, sleep = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update
-    push = AdapterPush(services.learner, services.rollouts)
+    push = AdapterPush(services.learner.leader, services.rollouts)  # rank 0 exports for every rank
     order = ShuffledOrder(len(job.train), seed=cfg.seed)
     start = 0
     if resume_from is not None:
         state = json.loads((resume_from / "state.json").read_text())
-        ray.get(services.critic.load.remote(str(resume_from / "critic")))
-        ray.get(services.learner.load.remote(str(resume_from / "policy")))
+        services.critic.load(str(resume_from / "critic"))
+        services.learner.load(str(resume_from / "policy"))
         order = ShuffledOrder.from_state(state["order"])
         start = int(state["step"])
         log(f"[resume] from {resume_from} at step {start}")
@@ -177,7 +175,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             phase = "update"
             t_sleep = _on_engines(services, "sleep") if sleep else 0.0
             t = time.time()
-            upd = ray.get(services.learner.update.remote(samples, adv.tolist(), vectors))
+            upd = services.learner.update(samples, adv.tolist(), vectors)
             t_update = time.time() - t
             if upd.get("skipped"):
                 log(f"step {step}: optimiser step skipped (non-finite loss or gradient norm, or no usable sample)")
@@ -189,7 +187,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if cfg.critic.train and not upd.get("skipped"):
                 keep = [i for i, e in enumerate(expl) if e is not None]
                 if keep:
-                    crit = ray.get(services.critic.train_step.remote([expl[i] for i in keep], vectors[keep]))
+                    crit = services.critic.train_step([expl[i] for i in keep], vectors[keep])
             t_critic = time.time() - t
 
             # ---- push (after the overlapped rollout, whose remaining wait counts as rollout time) ----
@@ -258,7 +256,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                     f"v{version} | {row['wall_s']:.2f}s (roll {t_rollout:.2f} score {t_score:.2f} upd {t_update:.2f} "
                     f"crit {t_critic:.2f} push {t_push:.2f})")
             last = row
-    except StepError as exc:
+    except (StepError, RankFailure) as exc:
         raise StepError(f"step {step} ({phase}): {exc}") from None
     except Exception as exc:
         import ray.exceptions

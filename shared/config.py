@@ -178,9 +178,17 @@ class PlacementConfig(_Section):
     mode: Literal["cpu", "colocated", "split"] = "cpu"
     """cpu: no GPUs; colocated: everything on one GPU; split: rollout engines on their own GPUs."""
     learner_gpus: int = Field(1, ge=0, le=64)
-    """GPUs for the learner in split mode (one until the learner runs data-parallel ranks)."""
+    """GPUs per learner rank in split mode (one: a rank is one process on one GPU)."""
+    learner_workers: int = Field(1, ge=1, le=512)
+    """Data-parallel learner ranks (one Ray actor and, in split mode, one GPU each): the batch is sharded
+    by sample, gradients are summed, every rank takes the same step."""
+    critic_workers: int = Field(1, ge=1, le=512)
+    """Data-parallel critic ranks: scoring sharded over them, co-training as for the learner; in split mode
+    each beside a learner rank, or on a GPU of its own with critic_own_gpu."""
     critic_own_gpu: bool = False
-    """Split mode: the critic gets its own GPU instead of sharing the learner's."""
+    """Split mode: each critic rank gets its own GPU instead of sharing a learner rank's."""
+    collective_timeout_s: float = Field(600.0, gt=0.0, le=86400.0)
+    """How long a learner or critic rank waits for the others in a collective (a dead or hung rank) before the step fails."""
 
 
 # ---- weight sync: how the policy adapter reaches the engines (one variant, chosen by `kind`) ----
@@ -322,6 +330,15 @@ def combination_problem(cfg: RunConfig) -> str | None:
     if p.learner_gpus > 1 or (p.mode == "split" and p.learner_gpus != 1):
         return (f"placement.learner_gpus: expected 1 (the learner runs as one process on one GPU), found {p.learner_gpus}: "
                 "more would be reserved and left idle, 0 would never schedule")
+    if p.mode == "colocated" and (p.learner_workers > 1 or p.critic_workers > 1):
+        return (f"placement.mode=colocated runs one learner and one critic on the one shared GPU: expected "
+                f"placement.learner_workers=1 and critic_workers=1, found {p.learner_workers} and {p.critic_workers}; use split")
+    if p.mode == "split" and not p.critic_own_gpu and p.critic_workers > p.learner_workers:
+        return (f"placement.critic_workers={p.critic_workers} beside {p.learner_workers} learner rank(s): each critic rank shares "
+                "a learner rank's GPU, so expected at most learner_workers; or set placement.critic_own_gpu")
+    if cfg.grpo.prompts_per_step * r.group_size < p.learner_workers:
+        return (f"placement.learner_workers={p.learner_workers} with {cfg.grpo.prompts_per_step * r.group_size} samples per step "
+                "(grpo.prompts_per_step x rollout.group_size): every rank needs at least one sample")
     if p.critic_own_gpu and p.mode != "split":
         return f"placement.critic_own_gpu needs placement.mode=split (found {p.mode}): elsewhere the critic has no GPU of its own"
     if p.mode == "colocated" and (r.num_engines != 1 or r.tensor_parallel_size != 1):

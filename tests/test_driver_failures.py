@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from orchestrator.groups import CriticGroup, LearnerGroup
 from orchestrator.job import absolute_paths, prepare_job
 from orchestrator.placement import Services
 from orchestrator.run_dir import RunDir
@@ -29,6 +30,15 @@ class FakeLearner:
     def connect_weight_sync(self, rendezvous):
         pass
 
+    def data_parallel_rendezvous(self, world_size):
+        return "127.0.0.1", 0
+
+    def join_data_parallel(self, host, port, rank, world_size, backend):
+        self.rank = rank
+
+    def checksum(self):
+        return [self.step, self.version]
+
     def export_adapter(self):
         return AdapterUpdate(self.version, {}, {})  # stands in for the message: the engines read its version
 
@@ -38,7 +48,11 @@ class FakeLearner:
     def save(self, directory):
         os.makedirs(directory)
 
+    def shard_sizes(self):
+        return self.sizes
+
     def update(self, samples, advantages, vectors):
+        self.sizes = getattr(self, "sizes", []) + [len(samples)]
         self.sampled_by.append(sorted({s.adapter_version for s in samples}))
         skipped = self.step == self.skip_at
         self.step += 1
@@ -55,12 +69,24 @@ class FakeCritic:
     def score(self, explanations, vectors):
         return [None if e is None else 0.5 for e in explanations]
 
+    def score_share(self, explanations, vectors):  # every world_size-th sample, from this rank's
+        return [(i, s) for i, s in enumerate(self.score(explanations, vectors)) if i % self.world == self.rank]
+
     def train_step(self, explanations, vectors):
         self.trained += 1
         return {"critic_loss": 0.5}
 
     def trained_steps(self):
         return self.trained
+
+    def data_parallel_rendezvous(self, world_size):
+        return "127.0.0.1", 0
+
+    def join_data_parallel(self, host, port, rank, world_size, backend):
+        self.rank, self.world = rank, world_size
+
+    def checksum(self):
+        return [self.trained]
 
     def save(self, directory):
         os.makedirs(directory)
@@ -97,7 +123,8 @@ def _job(tiny_dir, steps, overlap=False):
 
 def _services(ray, group, die_at_call=None, skip_at=None):
     rollout = ray.remote(FakeRollout).remote(group, die_at_call)
-    return Services([rollout], ray.remote(FakeLearner).remote(skip_at), ray.remote(FakeCritic).remote(), None, "cpu")
+    return Services([rollout], LearnerGroup([ray.remote(FakeLearner).remote(skip_at)]),
+                    CriticGroup([ray.remote(FakeCritic).remote()]), [], "cpu")
 
 
 def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
@@ -123,7 +150,7 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
     rows = run.read_metrics()
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert [r["adapter_version"] for r in rows] == [2, 2, 3, 4]
-    assert ray_local.get(services.critic.trained_steps.remote()) == 3
+    assert ray_local.get(services.critic.leader.trained_steps.remote()) == 3
     assert any(l.startswith("step 1: optimiser step skipped") for l in lines)
     assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
 
@@ -137,5 +164,5 @@ def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_lo
     run = RunDir.create(tmp_path / "run", job.cfg)
     services = _services(ray_local, 2)
     train(job, run, services, log=lambda m: None)
-    assert ray_local.get(services.learner.versions_seen.remote()) == expected
+    assert ray_local.get(services.learner.leader.versions_seen.remote()) == expected
     assert [r["adapter_version"] for r in run.read_metrics()] == [2, 3, 4, 5]

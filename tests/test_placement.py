@@ -75,7 +75,7 @@ def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):
     s = start_services(cfg, None, _classes(ray_gpus))
     try:
         (device, rgpu, ready_at), = ray_gpus.get([r.where.remote() for r in s.rollouts])
-        (lgpu, learner_started), cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
+        (lgpu, learner_started), cgpu = ray_gpus.get([s.learner.leader.where.remote(), s.critic.leader.where.remote()])
         assert device == "cuda" and len(rgpu) == 1 and rgpu == lgpu == cgpu
         assert learner_started >= ready_at  # vLLM profiles its memory share before the learner loads
     finally:
@@ -91,7 +91,7 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
     s = start_services(cfg, None, _classes(ray_gpus))
     try:
         places = ray_gpus.get([r.where.remote() for r in s.rollouts])
-        (lgpu, _), cgpu = ray_gpus.get([s.learner.where.remote(), s.critic.where.remote()])
+        (lgpu, _), cgpu = ray_gpus.get([s.learner.leader.where.remote(), s.critic.leader.where.remote()])
         gpus = [g for _, ids, _ in places for g in ids] + lgpu + cgpu
         assert len(gpus) == 4 and len(set(gpus)) == 4  # every service on its own GPU
         # round-robin over two engines: 5 prompts split 3 + 2, samples come back in request order
@@ -113,3 +113,31 @@ def test_split_needs_enough_gpus(ray_gpus, tiny_dir):
     cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True}, num_engines=3)
     with pytest.raises(RuntimeError, match="needs 5 GPU"):
         start_services(cfg, None, _classes(ray_gpus))
+
+
+@pytest.mark.parametrize("own,gpus", [(False, 3), (True, 4)])
+def test_data_parallel_ranks_get_a_gpu_each_and_critics_sit_beside_them(ray_gpus, tiny_dir, tmp_path, own, gpus):
+    from orchestrator.driver import train
+
+    cfg = _cfg(tiny_dir, {"mode": "split", "learner_workers": 2, "critic_workers": 2 if not own else 1, "critic_own_gpu": own},
+               "host", num_engines=1)
+    assert gpu_count_needed(cfg) == gpus
+    s = start_services(cfg, None, _classes(ray_gpus))
+    try:
+        assert len(s.learner.actors) == 2 and len(s.critic.actors) == cfg.placement.critic_workers
+        learner_gpus = [ray_gpus.get(a.where.remote())[0] for a in s.learner.actors]
+        critic_gpus = [ray_gpus.get(a.where.remote()) for a in s.critic.actors]
+        (_, engine_gpus, _), = ray_gpus.get([r.where.remote() for r in s.rollouts])
+        assert all(len(g) == 1 for g in learner_gpus) and len({g[0] for g in learner_gpus}) == 2
+        assert not set(engine_gpus) & {g[0] for g in learner_gpus + critic_gpus}
+        if own:
+            assert not {g[0] for g in critic_gpus} & {g[0] for g in learner_gpus}
+        else:
+            assert critic_gpus == learner_gpus  # critic rank i beside learner rank i
+        job = prepare_job(cfg, log=lambda m: None)
+        last = train(job, RunDir.create(tmp_path / "run", cfg), s, log=lambda m: None)
+        assert last["step"] == 2
+        # 5 prompts x 2 samples per step: every rank gets the whole batch (and runs its share of its micro-batches)
+        assert ray_gpus.get([a.shard_sizes.remote() for a in s.learner.actors]) == [[10, 10, 10], [10, 10, 10]]
+    finally:
+        stop_services(s)
