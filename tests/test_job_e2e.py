@@ -42,10 +42,14 @@ def _train(tiny_dir, run_dir, *extra, timeout=900):
 
 
 @pytest.mark.timeout(900)
-def test_demo_learns(tiny_dir, tmp_path):
-    """The tiny demo (fixed seed, shortened) raises reward and FVE well beyond run-to-run noise."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_demo_learns(tiny_dir, tmp_path, ranks):
+    """The tiny demo (fixed seed, shortened) raises reward and FVE well beyond run-to-run noise; with
+    2 learner and 2 critic ranks too (micro-batches of 64: each rank runs one of the two)."""
     run = tmp_path / "learn"
-    res = _train(tiny_dir, run, "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0")
+    dp = [] if ranks == 1 else ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2",
+                                "--set", "learner.micro_batch=64", "--set", "critic.micro_batch=64"]
+    res = _train(tiny_dir, run, "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0", *dp)
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(150))
     first, last = rows[:25], rows[-25:]
