@@ -166,3 +166,17 @@ def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_lo
     train(job, run, services, log=lambda m: None)
     assert ray_local.get(services.learner.leader.versions_seen.remote()) == expected
     assert [r["adapter_version"] for r in run.read_metrics()] == [2, 3, 4, 5]
+
+
+def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_path):
+    from orchestrator.groups import RankFailure
+
+    a, b = ray_local.remote(FakeLearner).remote(), ray_local.remote(FakeLearner).remote()
+    group = LearnerGroup([a, b])
+    group.save(str(tmp_path / "same"))  # the same state everywhere: rank 0 writes
+    assert (tmp_path / "same").is_dir()
+    ray_local.get(b.update.remote([], [], None))  # rank 1 took a step rank 0 did not
+    with pytest.raises(RankFailure) as exc:
+        group.save(str(tmp_path / "differs"))
+    assert str(exc.value).startswith("learner rank 1 of 2 disagrees with rank 0 at a checkpoint") and "\n" not in str(exc.value)
+    assert not (tmp_path / "differs").exists()  # nothing written
