@@ -121,10 +121,17 @@ def _train(args) -> int:
         if args.set or args.run_dir:
             raise NlaInputError("train", "--resume continues a run exactly: --set and --run-dir cannot be combined with it")
         run = RunDir.open(args.resume)
+        run.lock()
         cfg = run.config([f"grpo.steps={args.steps}"] if args.steps is not None else [])
+        resume_from = run.latest_checkpoint()
+        done = int(resume_from.name.removeprefix("step_")) if resume_from is not None else 0
+        if cfg.grpo.steps <= done:
+            raise NlaInputError(run.path, f"already at step {done} (grpo.steps {cfg.grpo.steps}): pass --steps N with "
+                                          f"N > {done} to continue it")
         job = prepare_job(cfg)
         run.save_config(cfg)
-        resume_from = run.latest_checkpoint()
+        if resume_from is None:
+            print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)
     else:
         overrides = list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else [])
         cfg = absolute_paths(load_config(args.config, overrides), Path.cwd())
@@ -133,6 +140,7 @@ def _train(args) -> int:
             raise NlaInputError(run_dir, "run directory exists and is not empty (use --resume to continue it)")
         job = prepare_job(cfg)
         run = RunDir.create(run_dir, cfg)
+        run.lock()
         resume_from = None
     print(f"[run] {run.path}")
     return _run_services(job, run, resume_from)

@@ -1,18 +1,24 @@
 """The run directory: resolved config, metrics.jsonl, samples.jsonl, atomic checkpoints, plots.
 
 A checkpoint is built in ``checkpoints/.tmp-step_NNNNNN`` and renamed into place only when complete,
-so a run killed at any moment leaves either the whole checkpoint or none of it.
+so a run killed at any moment leaves either the whole checkpoint or none of it. One process at a time
+writes a run directory: ``lock`` holds an OS lock on ``.lock`` for the writer's lifetime.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
-from shared.config import RunConfig, build_config, dump_config, upgrade_saved_config
+from shared.config import RunConfig, build_config, dump_config, read_yaml, upgrade_saved_config
 from shared.errors import NlaInputError
 from shared.fileio import jsonable, write_text
+
+
+LOCK_FILE = ".lock"
+_HELD: list[int] = []  # lock file descriptors this process holds
 
 
 def _json_safe(obj):
@@ -45,11 +51,26 @@ class RunDir:
             raise NlaInputError(run.path, "not a run directory (no config.yaml)")
         return run
 
-    def config(self, overrides: list[str] = ()) -> RunConfig:
-        import yaml
+    def lock(self) -> None:
+        """Hold the run directory's lock until this process exits; a second writer is refused with one
+        line naming the holder (two writers would interleave metrics and each other's checkpoints)."""
+        import fcntl
+        import socket
 
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise NlaInputError(self.path, f"in use by {holder}: one run directory has one writer at a time") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        _HELD.append(fd)  # released by the OS when the process ends, however it ends
+
+    def config(self, overrides: list[str] = ()) -> RunConfig:
         path = self.path / "config.yaml"
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = read_yaml(path.read_text(encoding="utf-8")) or {}
         # a run saved by an older version resumes as it ran (shared.config.upgrade_saved_config)
         return build_config(upgrade_saved_config(raw) if isinstance(raw, dict) else raw, str(path), overrides)
 
@@ -110,7 +131,9 @@ class RunDir:
     def list_checkpoints(self) -> list[Path]:
         if not self.checkpoints.is_dir():
             return []
-        done = [p for p in self.checkpoints.iterdir() if p.is_dir() and p.name.startswith("step_") and (p / "state.json").is_file()]
+        # only step_NNNNNN directories count (a stray copy such as step_000004.bak is not a checkpoint)
+        done = [p for p in self.checkpoints.iterdir() if p.is_dir() and re.fullmatch(r"step_\d{6,}", p.name)
+                and (p / "state.json").is_file()]
         return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
     def latest_checkpoint(self) -> Path | None:

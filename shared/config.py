@@ -6,6 +6,7 @@ field. ``dump_config`` writes the resolved config that each run directory keeps.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional, Union
 
@@ -369,6 +370,19 @@ def _describe_error(err: dict) -> str:
     return f"{loc}: {err['msg'].lower()}, found {type(found).__name__} {found!r}"
 
 
+class _YamlLoader(yaml.SafeLoader):
+    """YAML as people write configs: ``3e-3`` is a number (YAML 1.1 wants ``3.0e-3`` and reads a string)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def read_yaml(text: str):
+    """``yaml.safe_load`` with scientific notation read as numbers."""
+    return yaml.load(text, Loader=_YamlLoader)
+
+
 def parse_override(item: str) -> tuple[list[str], object]:
     """``a.b=c`` -> (['a', 'b'], yaml-parsed c)."""
     if "=" not in item:
@@ -378,7 +392,7 @@ def parse_override(item: str) -> tuple[list[str], object]:
     if not parts:
         raise NlaInputError("--set", f"expected a dotted key before '=', found {item!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = read_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -412,10 +426,12 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     if not p.is_file():
         raise NlaInputError(p, "config file not found")
     try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
+        raw = read_yaml(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         raise NlaInputError(p, f"not valid YAML{'' if line is None else f' (line {line + 1})'}") from None
+    if raw is None:  # an empty file is a mistake, not "every default" (a 100-step r=128 job)
+        raise NlaInputError(p, "empty config file: expected a mapping of sections (model, data, rollout, ...; see deploy/)")
     return build_config(raw, str(p), overrides)
 
 

@@ -1,0 +1,65 @@
+"""Run-directory guards: one writer at a time, resume only forward, stray checkpoint copies ignored,
+configs read as people write them."""
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, run_cli
+from orchestrator.run_dir import RunDir
+from shared.config import build_config, load_config
+from shared.errors import NlaInputError
+
+
+def _run_dir(tiny_dir, path, steps=4):
+    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+                        "grpo": {"steps": steps}}, "t")
+    return RunDir.create(path, cfg)
+
+
+def test_a_second_writer_is_refused_with_the_holders_pid(tiny_dir, tmp_path):
+    run = _run_dir(tiny_dir, tmp_path / "run")
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {str(ROOT)!r}); "
+                               f"from orchestrator.run_dir import RunDir; RunDir({str(run.path)!r}).lock(); "
+                               "print('held', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        res = run_cli("train", "--resume", run.path, "--steps", "6", timeout=120)
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        lines = [l for l in res.stderr.splitlines() if l.strip()]
+        assert len(lines) == 1 and f"in use by pid {holder.pid} on " in lines[0], res.stderr
+        with pytest.raises(NlaInputError, match=f"pid {holder.pid}"):
+            RunDir(run.path).lock()
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    RunDir(run.path).lock()  # the holder's lock went with its process
+
+
+def test_resume_only_moves_forward_and_ignores_stray_copies(tiny_dir, tmp_path):
+    run = _run_dir(tiny_dir, tmp_path / "run", steps=4)
+    for name in ("step_000004", "step_000004.bak", "step_00002"):
+        (run.checkpoints / name).mkdir()
+        (run.checkpoints / name / "state.json").write_text('{"step": 4}')
+    assert [p.name for p in run.list_checkpoints()] == ["step_000004"]
+    before = (run.path / "config.yaml").read_text()
+    for steps in ([], ["--steps", "3"], ["--steps", "4"]):
+        res = run_cli("train", "--resume", run.path, *steps, timeout=120)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert "already at step 4" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert (run.path / "config.yaml").read_text() == before  # nothing rewritten
+
+
+def test_scientific_notation_and_empty_files(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("learner:\n  lr: 3e-3\ncritic:\n  lr: 1E-5\n")
+    cfg = load_config(p, ["grpo.adv_eps=1e-7"])
+    assert cfg.learner.lr == 3e-3 and cfg.critic.lr == 1e-5 and cfg.grpo.adv_eps == 1e-7
+    p.write_text("")
+    with pytest.raises(NlaInputError, match="empty config file"):
+        load_config(p)
+    p.write_text("# only a comment\n")
+    with pytest.raises(NlaInputError, match="empty config file"):
+        load_config(p)
