@@ -146,6 +146,18 @@ def _train(args) -> int:
     return _run_services(job, run, resume_from)
 
 
+def _stop_on_signals() -> None:
+    """SIGTERM stops the run as Ctrl-C does (the driver then tears Ray down and prints one line),
+    instead of Ray's default handler (a native stack dump)."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
 def _run_services(job, run, resume_from) -> int:
     from orchestrator.driver import train
     from orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
@@ -169,9 +181,18 @@ def _run_services(job, run, resume_from) -> int:
             shutil.rmtree(run.path, ignore_errors=True)
         raise
     print(f"[ray] starting services (placement {cfg.placement.mode}, rollout backend {cfg.rollout.backend})", flush=True)
+    _stop_on_signals()
     services = None
     try:
-        services = start_services(cfg, job.spec)
+        try:
+            services = start_services(cfg, job.spec)
+        except BaseException as exc:
+            from orchestrator.driver import StepError, StepInterrupted
+            from shared.errors import one_line
+
+            if isinstance(exc, KeyboardInterrupt):
+                raise StepInterrupted(f"starting the services: interrupted ({exc.args[0] if exc.args else 'SIGINT'})") from None
+            raise StepError(f"starting the services: {one_line(exc)}") from None
         last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
     finally:
         stop_services(services)
@@ -213,12 +234,21 @@ def main(argv=None) -> int:
     except NlaInputError as exc:
         print(f"nla-grpo: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})"
+        print(f"nla-grpo: error: {where}; a run continues from its last checkpoint with `nla-grpo train --resume RUN_DIR`",
+              file=sys.stderr)
+        return 143 if "SIGTERM" in where else 130
     except Exception as exc:
-        from orchestrator.driver import StepError
+        import os
 
-        if not isinstance(exc, StepError):
+        from orchestrator.driver import StepError
+        from shared.errors import one_line
+
+        if os.environ.get("NLA_GRPO_TRACEBACK"):
             raise
-        print(f"nla-grpo: error: {exc}", file=sys.stderr)
+        message = str(exc) if isinstance(exc, StepError) else f"{one_line(exc)} (NLA_GRPO_TRACEBACK=1 shows the traceback)"
+        print(f"nla-grpo: error: {message}", file=sys.stderr)
         return 1
     return 1
 

@@ -31,6 +31,30 @@ class StepError(RuntimeError):
     """A failure inside the loop, reported as one line with the step and phase."""
 
 
+class StepInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM during the run, with the step and phase it stopped in."""
+
+
+def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseException:
+    """Any failure of a step (or of the start before it) as one line: the step, the phase, which service
+    for a dead actor, and the innermost cause's own text."""
+    import ray.exceptions
+
+    from shared.errors import actor_death, one_line
+
+    where = f"step {step} ({phase})"
+    if isinstance(exc, (StepError, StepInterrupted)) and str(exc).startswith("step "):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        return StepInterrupted(f"{where}: interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
+    if isinstance(exc, (StepError, RankFailure)):
+        return StepError(f"{where}: {exc}")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        who = services.name_of(getattr(exc, "actor_id", None)) if hasattr(services, "name_of") else None
+        return StepError(f"{where}: a service actor died{f' ({who})' if who else ''}: {actor_death(exc)}")
+    return StepError(f"{where}: {one_line(exc)}")
+
+
 def _requests(job: Job, rows, prompt_index, idx) -> list[PromptRequest]:
     import torch
 
@@ -113,7 +137,6 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
 
 def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=print, wandb_run=None) -> dict:
     """Run steps until ``cfg.grpo.steps``; returns the last metrics row."""
-    import ray
     import torch
 
     from learner.grpo import group_advantages
@@ -123,19 +146,23 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     overlap, sleep = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update
     push = AdapterPush(services.learner.leader, services.rollouts)  # rank 0 exports for every rank
     order = ShuffledOrder(len(job.train), seed=cfg.seed)
-    start = 0
-    if resume_from is not None:
-        state = json.loads((resume_from / "state.json").read_text())
-        services.critic.load(str(resume_from / "critic"))
-        services.learner.load(str(resume_from / "policy"))
-        order = ShuffledOrder.from_state(state["order"])
-        start = int(state["step"])
-        log(f"[resume] from {resume_from} at step {start}")
-    feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)
-    if resume_from is not None:
-        feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
-    run.truncate_logs(start)
-    version = push()
+    start, phase = 0, "resume"
+    try:
+        if resume_from is not None:
+            state = json.loads((resume_from / "state.json").read_text())
+            services.critic.load(str(resume_from / "critic"))
+            services.learner.load(str(resume_from / "policy"))
+            order = ShuffledOrder.from_state(state["order"])
+            start = int(state["step"])
+            log(f"[resume] from {resume_from} at step {start}")
+        feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)
+        if resume_from is not None:
+            feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
+        run.truncate_logs(start)
+        phase = "push"
+        version = push()
+    except BaseException as exc:
+        raise _step_error(exc, start, phase, services) from None
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)")
     t_run = time.time()
     last: dict = {}
@@ -256,13 +283,6 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                     f"v{version} | {row['wall_s']:.2f}s (roll {t_rollout:.2f} score {t_score:.2f} upd {t_update:.2f} "
                     f"crit {t_critic:.2f} push {t_push:.2f})")
             last = row
-    except (StepError, RankFailure) as exc:
-        raise StepError(f"step {step} ({phase}): {exc}") from None
-    except Exception as exc:
-        import ray.exceptions
-
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        if isinstance(exc, ray.exceptions.RayActorError):
-            raise StepError(f"step {step} ({phase}): a service actor died: {first}") from None
-        raise StepError(f"step {step} ({phase}): {type(exc).__name__}: {first}") from exc
+    except BaseException as exc:
+        raise _step_error(exc, step, phase, services) from None
     return last

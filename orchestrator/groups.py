@@ -66,14 +66,12 @@ class RankGroup:
     def _describe(self, rank: int, exc: Exception) -> str:
         import ray.exceptions
 
-        def first(e):
-            return (str(e).strip().splitlines() or [""])[0][:300]
+        from shared.errors import actor_death, one_line
 
         where = f"{self.name} rank {rank} of {len(self.actors)}"
         if isinstance(exc, ray.exceptions.RayActorError):
-            return f"{where} died: {first(exc)}"
-        cause = getattr(exc, "cause", None) or exc
-        return f"{where}: {type(cause).__name__}: {first(cause)}"
+            return f"{where} died: {actor_death(exc)}"
+        return f"{where}: {one_line(exc)}"
 
     def join(self) -> None:
         """All ranks meet in one process group (a no-op for one rank)."""

@@ -43,7 +43,7 @@ class Job:
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
-    from shared.check import load_tokenizer, model_config_field, model_hidden_size
+    from shared.check import check_target_modules, load_tokenizer, model_config_field, model_hidden_size
     from shared.data import read_rows, split_eval
     from shared.prompts import as_ids, prompt_table
     from shared.schema import fve_baselines
@@ -60,6 +60,8 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks:
         raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 1} ({model_dir} has {blocks} "
                             f"decoder blocks), found {cfg.injection.karvonen_layer}")
+    if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
+        check_target_modules(model_dir, cfg.learner.target_modules)
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:

@@ -99,6 +99,19 @@ class Services:
     placement_groups: list
     device: str
 
+    def name_of(self, actor_id) -> str | None:
+        """Which service an actor id (``RayActorError.actor_id``, hex) is, e.g. "rollout engine 1 of 2"."""
+        if actor_id is None:
+            return None
+        named = [(f"rollout engine {i} of {len(self.rollouts)}", a) for i, a in enumerate(self.rollouts)]
+        for group in (self.learner, self.critic):
+            named += [(f"{group.name} rank {i} of {len(group.actors)}", a) for i, a in enumerate(group.actors)]
+        for name, handle in named:
+            own = getattr(handle, "_actor_id", None)
+            if own is not None and own.hex() == str(actor_id):
+                return name
+        return None
+
 
 def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> Services:
     """Create the rollout engine actors, the learner ranks and the critic ranks, placed as

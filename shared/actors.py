@@ -1,8 +1,31 @@
 """Ray actor classes are plain classes (``LearnerActor``, ``RolloutActor``, ``CriticActor``) made
-remote where they are placed, so importing a service module never imports Ray."""
+remote where they are placed, so importing a service module never imports Ray.
+
+An exception raised inside an actor crosses Ray pickled, and pickling keeps an exception's own
+message but drops its chain (``__cause__``): a "No space left on device" under a wrapper would be
+lost. So each public method of an actor made here re-raises the innermost cause itself.
+"""
 from __future__ import annotations
 
+import functools
+
 _REMOTE: dict[type, object] = {}
+
+
+def _raising_the_cause(method):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as exc:
+            from shared.errors import innermost
+
+            inner = innermost(exc)
+            if inner is exc or not isinstance(inner, Exception):
+                raise
+            raise inner from None
+
+    return call
 
 
 def remote(body: type):
@@ -10,5 +33,12 @@ def remote(body: type):
     if body not in _REMOTE:
         import ray
 
-        _REMOTE[body] = ray.remote(body)
+        methods = {name: _raising_the_cause(fn) for name, fn in vars(body).items()
+                   if callable(fn) and not name.startswith("_")}
+        for base in body.__mro__[1:-1]:  # inherited public methods too (test stand-ins subclass the actors)
+            for name, fn in vars(base).items():
+                if callable(fn) and not name.startswith("_") and name not in methods and name not in vars(body):
+                    methods[name] = _raising_the_cause(fn)
+        _REMOTE[body] = ray.remote(type(body.__name__, (body,), {**methods, "__module__": body.__module__,
+                                                                  "__qualname__": body.__qualname__}))
     return _REMOTE[body]

@@ -77,3 +77,18 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
     for k, v in summary.items():
         print(f"  {k}: {v}", file=out)
     return summary
+
+
+def check_target_modules(model_dir, target_modules: list[str], field: str = "learner.target_modules") -> None:
+    """Every LoRA target names a linear module of the model (checked on the meta device: no weights are
+    read), so a typo stops before any actor starts instead of inside one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    missing = [t for t in target_modules if t not in linear]
+    if missing:
+        raise NlaInputError("config", f"{field}: {missing} not among the linear modules of {model_dir} "
+                                      f"({', '.join(sorted(linear - {'lm_head'}))})")

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 class FakeLearner:
-    def __init__(self, skip_at=None):
-        self.version, self.step, self.skip_at = 1, 0, skip_at
+    def __init__(self, skip_at=None, fail_at=None):
+        self.version, self.step, self.skip_at, self.fail_at = 1, 0, skip_at, fail_at
         self.sampled_by = []  # adapter version of the samples each update got
 
     def versions_seen(self):
@@ -52,6 +52,11 @@ class FakeLearner:
         return self.sizes
 
     def update(self, samples, advantages, vectors):
+        if self.step == self.fail_at:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError as exc:
+                raise RuntimeError("while writing the learner's scratch file") from exc
         self.sizes = getattr(self, "sizes", []) + [len(samples)]
         self.sampled_by.append(sorted({s.adapter_version for s in samples}))
         skipped = self.step == self.skip_at
@@ -121,10 +126,12 @@ def _job(tiny_dir, steps, overlap=False):
     return prepare_job(absolute_paths(cfg, ROOT), log=lambda m: None)
 
 
-def _services(ray, group, die_at_call=None, skip_at=None):
-    rollout = ray.remote(FakeRollout).remote(group, die_at_call)
-    return Services([rollout], LearnerGroup([ray.remote(FakeLearner).remote(skip_at)]),
-                    CriticGroup([ray.remote(FakeCritic).remote()]), [], "cpu")
+def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None):
+    from shared.actors import remote  # as placement makes them remote
+
+    rollout = remote(FakeRollout).remote(group, die_at_call)
+    return Services([rollout], LearnerGroup([remote(FakeLearner).remote(skip_at, fail_at)]),
+                    CriticGroup([remote(FakeCritic).remote()]), [], "cpu")
 
 
 def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
@@ -135,7 +142,7 @@ def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_p
     with pytest.raises(StepError) as exc:
         train(job, run, _services(ray_local, 2, die_at_call=2), log=lambda m: None)
     msg = str(exc.value)
-    assert msg.startswith("step 2 (rollout): a service actor died") and "\n" not in msg
+    assert msg.startswith("step 2 (rollout): a service actor died (rollout engine 0 of 1): ") and "\n" not in msg
     assert [r["step"] for r in run.read_metrics()] == [0, 1]  # the steps before the crash were logged
 
 
@@ -180,3 +187,31 @@ def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_pa
         group.save(str(tmp_path / "differs"))
     assert str(exc.value).startswith("learner rank 1 of 2 disagrees with rank 0 at a checkpoint") and "\n" not in str(exc.value)
     assert not (tmp_path / "differs").exists()  # nothing written
+
+
+def test_an_error_inside_an_actor_is_its_cause_in_one_line(ray_local, tiny_dir, tmp_path):
+    from orchestrator.driver import StepError, train
+
+    job = _job(tiny_dir, steps=4)
+    run = RunDir.create(tmp_path / "run", job.cfg)
+    with pytest.raises(StepError) as exc:
+        train(job, run, _services(ray_local, 2, fail_at=1), log=lambda m: None)
+    msg = str(exc.value)
+    assert msg == "step 1 (update): learner rank 0 of 1: OSError: [Errno 28] No space left on device", msg
+
+
+def test_input_errors_and_causes_cross_ray(ray_local):
+    import pickle
+
+    from shared.errors import NlaInputError, one_line
+
+    err = pickle.loads(pickle.dumps(NlaInputError("data.parquet", "row 3: NaN")))
+    assert isinstance(err, NlaInputError) and err.where == "data.parquet" and str(err) == "data.parquet: row 3: NaN"
+
+    @ray_local.remote
+    def bad_input():
+        raise NlaInputError("c.yaml", "learner.lr: expected a number")
+
+    with pytest.raises(NlaInputError) as got:  # Ray re-raises it as its own type
+        ray_local.get(bad_input.remote())
+    assert one_line(got.value) == "c.yaml: learner.lr: expected a number"
