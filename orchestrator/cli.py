@@ -123,7 +123,7 @@ def _train(args) -> int:
         run = RunDir.open(args.resume)
         run.lock()
         cfg = run.config([f"grpo.steps={args.steps}"] if args.steps is not None else [])
-        resume_from = run.latest_checkpoint()
+        resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
         done = int(resume_from.name.removeprefix("step_")) if resume_from is not None else 0
         if cfg.grpo.steps <= done:
             raise NlaInputError(run.path, f"already at step {done} (grpo.steps {cfg.grpo.steps}): pass --steps N with "
@@ -136,8 +136,7 @@ def _train(args) -> int:
         overrides = list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else [])
         cfg = absolute_paths(load_config(args.config, overrides), Path.cwd())
         run_dir = args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        if Path(run_dir).exists() and any(Path(run_dir).iterdir()):
-            raise NlaInputError(run_dir, "run directory exists and is not empty (use --resume to continue it)")
+        RunDir.check_new(run_dir)
         job = prepare_job(cfg)
         run = RunDir.create(run_dir, cfg)
         run.lock()
@@ -194,12 +193,22 @@ def _run_services(job, run, resume_from) -> int:
                 raise StepInterrupted(f"starting the services: interrupted ({exc.args[0] if exc.args else 'SIGINT'})") from None
             raise StepError(f"starting the services: {one_line(exc)}") from None
         last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
+    except BaseException:
+        if resume_from is None and not run.read_metrics() and not run.list_checkpoints():
+            import shutil
+
+            # a new run that failed before its first step leaves nothing behind: the same command works again
+            shutil.rmtree(run.path, ignore_errors=True)
+        raise
     finally:
         stop_services(services)
         if wandb_run is not None:
             wandb_run.finish()
-        if run.read_metrics():
-            print(f"[plot] {write_plots(run.path)}")
+        if run.path.is_dir() and run.read_metrics():
+            try:
+                print(f"[plot] {write_plots(run.path)}")
+            except NlaInputError as exc:  # the run's own outcome matters more than its plot
+                print(f"[plot] not written: {exc}")
     print(f"[done] {run.path}: step {last.get('step', '-')}, reward {last.get('reward_mean', float('nan')):+.3f}, "
           f"fve {last.get('fve', float('nan')):+.3f}")
     return 0

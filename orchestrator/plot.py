@@ -38,7 +38,13 @@ def write_plots(run_dir: str | Path) -> Path:
     rows = run.read_metrics()
     if not rows:
         raise NlaInputError(run.metrics, "no metrics to plot")
-    run.plots.mkdir(exist_ok=True)
+    try:
+        run.plots.mkdir(exist_ok=True)
+        probe = run.plots / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise NlaInputError(run.plots, f"cannot write plots here: {exc.strerror or exc}") from None
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     k = max(1, len(rows) // 25)
     for ax, (title, keys) in zip(axes.flat, PANELS):

@@ -18,6 +18,8 @@ from shared.fileio import jsonable, write_text
 
 
 LOCK_FILE = ".lock"
+# what every checkpoint holds (learner.service and critic.scoring write the rest)
+REQUIRED_PARTS = ("state.json", "policy/learner_state.json", "critic/critic_meta.json")
 _HELD: list[int] = []  # lock file descriptors this process holds
 
 
@@ -35,13 +37,24 @@ class RunDir:
         self.plots = self.path / "plots"
 
     # ---- creation / resume ----
+    @staticmethod
+    def check_new(path: str | Path) -> None:
+        """``path`` can hold a new run: absent, or an empty directory."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise NlaInputError(path, "expected a directory for the run, found a file")
+        if path.exists() and any(path.iterdir()):
+            raise NlaInputError(path, "run directory exists and is not empty (use --resume to continue it)")
+
     @classmethod
     def create(cls, path: str | Path, cfg: RunConfig) -> "RunDir":
         run = cls(path)
-        if run.path.exists() and any(run.path.iterdir()):
-            raise NlaInputError(run.path, "run directory exists and is not empty (use --resume to continue it)")
-        run.checkpoints.mkdir(parents=True, exist_ok=True)
-        write_text(run.path / "config.yaml", dump_config(cfg))
+        cls.check_new(run.path)
+        try:
+            run.checkpoints.mkdir(parents=True, exist_ok=True)
+            write_text(run.path / "config.yaml", dump_config(cfg))
+        except OSError as exc:
+            raise NlaInputError(run.path, f"cannot create the run directory: {exc.strerror or exc}") from None
         return run
 
     @classmethod
@@ -135,6 +148,40 @@ class RunDir:
         done = [p for p in self.checkpoints.iterdir() if p.is_dir() and re.fullmatch(r"step_\d{6,}", p.name)
                 and (p / "state.json").is_file()]
         return sorted(done, key=lambda p: int(p.name.split("_")[1]))
+
+    def checkpoint_problem(self, ckpt: Path) -> str | None:
+        """Why ``ckpt`` cannot be loaded (a missing part, JSON that does not parse, a safetensors file
+        whose header or size is wrong), or None. Reads headers only, never the tensors."""
+        from safetensors import safe_open
+
+        for part in REQUIRED_PARTS:
+            if not (ckpt / part).is_file():
+                return f"{part} is missing"
+        for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+            rel = f.relative_to(ckpt)
+            try:
+                if f.suffix == ".json":
+                    json.loads(f.read_text(encoding="utf-8"))
+                elif f.suffix == ".safetensors":
+                    with safe_open(str(f), framework="pt") as h:  # checks the header against the file's size
+                        list(h.keys())
+            except Exception as exc:  # any parse failure means "damaged"; the caller names the file
+                return f"{rel} is damaged ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
+        return None
+
+    def loadable_checkpoint(self, log=print) -> Path | None:
+        """The newest checkpoint that is complete and loadable; damaged ones are skipped and named."""
+        ckpts = self.list_checkpoints()
+        skipped = []
+        for ckpt in reversed(ckpts):
+            problem = self.checkpoint_problem(ckpt)
+            if problem is None:
+                return ckpt
+            skipped.append(f"{ckpt.name}: {problem}")
+            log(f"[resume] skipping {ckpt.name}: {problem}")
+        if skipped:
+            raise NlaInputError(self.checkpoints, f"no loadable checkpoint ({'; '.join(skipped)})")
+        return None
 
     def latest_checkpoint(self) -> Path | None:
         ckpts = self.list_checkpoints()

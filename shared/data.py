@@ -17,6 +17,7 @@ from shared.errors import NlaInputError
 from shared.prompts import INJECT_PLACEHOLDER
 
 REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 @dataclass
@@ -89,6 +90,10 @@ def _activation_matrix(col, d: int, where: Path, first_row: int) -> np.ndarray:
 def _check_prompt(prompt, where: Path, row: int) -> list[dict]:
     if not isinstance(prompt, list) or not all(isinstance(m, dict) and "content" in m for m in prompt):
         raise NlaInputError(where, f"row {row}, column 'prompt': expected a list of chat messages with 'role' and 'content'")
+    for j, m in enumerate(prompt):
+        if m.get("role") not in CHAT_ROLES or not isinstance(m["content"], str):
+            raise NlaInputError(where, f"row {row}, column 'prompt', message {j}: expected 'role' one of {', '.join(CHAT_ROLES)} "
+                                       f"and 'content' text, found role {m.get('role')!r}")
     n = sum(m["content"].count(INJECT_PLACEHOLDER) for m in prompt if isinstance(m.get("content"), str))
     if n != 1:
         raise NlaInputError(where, f"row {row}, column 'prompt': expected exactly one {INJECT_PLACEHOLDER}, found {n}")

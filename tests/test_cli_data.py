@@ -113,6 +113,20 @@ def test_prompt_placeholder_count(tmp_path, tiny_dir, content, found):
     _expect_error(run_cli("data", "check", path), "row 11", "exactly one <INJECT>", found)
 
 
+@pytest.mark.parametrize("message,found", [({"content": "<INJECT>"}, "found role None"),
+                                           ({"role": "narrator", "content": "<INJECT>"}, "found role 'narrator'")])
+def test_prompt_message_needs_a_role(tmp_path, tiny_dir, message, found):
+    path, _ = _copy_dataset(tiny_dir, tmp_path)
+
+    def mutate(p, a, d):
+        p = list(p)
+        p[7] = [message]
+        return p, a, d
+
+    _rewrite(path, mutate)
+    _expect_error(run_cli("data", "check", path), "row 7", "message 0: expected 'role' one of system, user, assistant", found)
+
+
 def _edit_sidecar(path, **tokens):
     side = path.with_name(path.name + ".nla_meta.yaml")
     meta = yaml.safe_load(side.read_text())

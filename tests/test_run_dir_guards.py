@@ -41,8 +41,9 @@ def test_a_second_writer_is_refused_with_the_holders_pid(tiny_dir, tmp_path):
 def test_resume_only_moves_forward_and_ignores_stray_copies(tiny_dir, tmp_path):
     run = _run_dir(tiny_dir, tmp_path / "run", steps=4)
     for name in ("step_000004", "step_000004.bak", "step_00002"):
-        (run.checkpoints / name).mkdir()
-        (run.checkpoints / name / "state.json").write_text('{"step": 4}')
+        for part in ("state.json", "policy/learner_state.json", "critic/critic_meta.json"):
+            (run.checkpoints / name / part).parent.mkdir(parents=True, exist_ok=True)
+            (run.checkpoints / name / part).write_text('{"step": 4}')
     assert [p.name for p in run.list_checkpoints()] == ["step_000004"]
     before = (run.path / "config.yaml").read_text()
     for steps in ([], ["--steps", "3"], ["--steps", "4"]):
@@ -63,3 +64,28 @@ def test_scientific_notation_and_empty_files(tmp_path):
     p.write_text("# only a comment\n")
     with pytest.raises(NlaInputError, match="empty config file"):
         load_config(p)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("damage", ["truncate optimizer", "cut state.json"])
+def test_a_damaged_newest_checkpoint_is_skipped_and_named(tiny_dir, tmp_path, damage):
+    run = tmp_path / "run"
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
+                  "--set", "logging.eval_every=0", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    newest = run / "checkpoints" / "step_000004"
+    if damage == "truncate optimizer":
+        f = newest / "policy" / "optimizer.safetensors"
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        f = newest / "state.json"
+        f.write_text(f.read_text()[:10])
+    res = run_cli("train", "--resume", run, "--steps", "6", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    skipped = [l for l in res.stdout.splitlines() if l.startswith("[resume] skipping step_000004: ")]
+    assert len(skipped) == 1 and f.name in skipped[0] and "damaged" in skipped[0], res.stdout[-2000:]
+    assert "[resume] from" in res.stdout and "step_000002 at step 2" in res.stdout
+    rows = [l for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 6  # steps 2 and 3 redone from the complete checkpoint, then 4 and 5
