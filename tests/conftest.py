@@ -1,6 +1,11 @@
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,3 +38,37 @@ def ray_local():
              runtime_env={"env_vars": {"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}})
     yield ray
     ray.shutdown()
+
+
+def private_ray_dir() -> str:
+    """A short temp root for one Ray cluster a test starts (``RAY_TMPDIR``): its processes name it on
+    their command lines, so the test can stop that cluster alone (``ray stop`` would stop every Ray
+    on the host, a user's own too). Short, because Ray's socket paths must stay under 108 bytes."""
+    return tempfile.mkdtemp(prefix="nlaray", dir="/tmp")
+
+
+def stop_ray_in(temp_root: str) -> None:
+    """Kill the processes of the Ray cluster whose temp root is ``temp_root``, then remove it."""
+    needle = temp_root.encode()
+    for _ in range(3):
+        found = False
+        for d in os.listdir("/proc"):
+            if not d.isdigit() or int(d) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if needle in f.read():
+                        os.kill(int(d), signal.SIGKILL)
+                        found = True
+            except (OSError, ProcessLookupError):
+                pass
+        if not found:
+            break
+        time.sleep(0.5)
+    shutil.rmtree(temp_root, ignore_errors=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

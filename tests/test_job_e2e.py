@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, free_port, private_ray_dir, run_cli, stop_ray_in
 
 pytestmark = pytest.mark.slow
 # wall-clock measures and the rates derived from them differ between two runs of the same seed
@@ -103,7 +103,8 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
 
     # killed hard mid-run (after its first checkpoint): resumes from it, same end state
     killed = tmp_path / "killed"
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    ray_root = private_ray_dir()  # the killed driver's local Ray, to stop alone afterwards
+    env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_root)
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
            "--steps", "6", *_data_args(tiny_dir), *common]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -112,8 +113,7 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    ray = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([ray, "stop", "--force"], capture_output=True, env=env)  # what the killed driver's local Ray left
+    stop_ray_in(ray_root)  # what the killed driver's local Ray left, and nothing else
     assert (killed / "checkpoints" / "step_000003").is_dir()
     res = run_cli("train", "--resume", killed, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -191,17 +191,18 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
     """`ray job submit` against a local `ray start --head` runs the tiny job to SUCCEEDED."""
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     # Ray 2.60 clusters authenticate with a token: give the head and the submitting client the same one
+    ray_root, gcs_port, dashboard = private_ray_dir(), free_port(), free_port()
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT),
-               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16))
+               RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_TMPDIR=ray_root)
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([ray, "stop", "--force"], capture_output=True, env=env)
-    start = subprocess.run([ray, "start", "--head", "--num-cpus", "4", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8265",
-                            "--disable-usage-stats"], capture_output=True, text=True, env=env, timeout=180)
+    start = subprocess.run([ray, "start", "--head", "--port", str(gcs_port), "--num-cpus", "4", "--dashboard-host", "127.0.0.1",
+                            "--dashboard-port", str(dashboard), "--disable-usage-stats"],
+                           capture_output=True, text=True, env=env, timeout=180)
     assert start.returncode == 0, start.stderr[-2000:]
     try:
         run_dir = tmp_path / "job-run"
         sub = subprocess.run(
-            [ray, "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", str(ROOT),
+            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT),
              "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
              sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
              *_data_args(tiny_dir), "--set", "logging.eval_every=0"],
@@ -210,4 +211,4 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
         assert "succeeded" in (sub.stdout + sub.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
         assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
     finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        stop_ray_in(ray_root)  # this cluster only: `ray stop` would stop every Ray on the host
