@@ -106,6 +106,7 @@ def _config_check(args) -> int:
 
 
 def _train(args) -> int:
+    import json
     import time
     from pathlib import Path
 
@@ -129,6 +130,10 @@ def _train(args) -> int:
             raise NlaInputError(run.path, f"already at step {done} (grpo.steps {cfg.grpo.steps}): pass --steps N with "
                                           f"N > {done} to continue it")
         job = prepare_job(cfg)
+        if resume_from is not None:
+            from orchestrator.job import check_resume
+
+            check_resume(json.loads((resume_from / "state.json").read_text()), cfg, job, run.path / "config.yaml")
         run.save_config(cfg)
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)

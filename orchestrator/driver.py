@@ -119,7 +119,7 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     return out
 
 
-def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: RolloutFeed, step: int, version: int) -> Path:
+def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: RolloutFeed, step: int, version: int, job: Job) -> Path:
     """Critic first, then the policy, then the training state (with any rollout in flight), into a
     temporary directory.
 
@@ -130,7 +130,9 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     services.critic.save(str(tmp / "critic"))
     services.learner.save(str(tmp / "policy"))
     feed.save(tmp)
-    state = {"step": step, "order": order.state(), "adapter_version": version}
+    # the config and the data it was written with: resume refuses to continue on anything else
+    state = {"step": step, "order": order.state(), "adapter_version": version,
+             "config": job.cfg.model_dump(mode="json"), "data": job.data_fingerprint}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     return tmp
 
@@ -267,7 +269,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             every = cfg.checkpointing.every
             pending = None
             if (every and (step + 1) % every == 0) or step + 1 == cfg.grpo.steps:
-                pending = _write_checkpoint(services, run, order, feed, step + 1, version)
+                pending = _write_checkpoint(services, run, order, feed, step + 1, version, job)
             row["time/checkpoint"] = time.time() - t
             row["wall_s"] = time.time() - t0
             row["elapsed_s"] = time.time() - t_run

@@ -38,6 +38,48 @@ class Job:
     prompt_index_eval: np.ndarray
     fve_baseline: float
     fve_baseline_meannorm: float
+    data_fingerprint: dict = None  # what a checkpoint records of the data (``data_fingerprint``)
+
+
+# fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
+# (the data's content is checked by its fingerprint instead)
+RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
+                     "critic.checkpoint", "learner.adapter_init")
+
+
+def data_fingerprint(rows, train, ev, spec) -> dict:
+    """Row counts, the sidecar's bytes and the first rows' prompts and vectors, hashed: enough to see
+    that a resumed run reads the data it was checkpointed on."""
+    import hashlib
+    import json
+
+    head = hashlib.sha256(np.ascontiguousarray(rows.activations[:64]).tobytes())
+    head.update(json.dumps(rows.prompts[:64], sort_keys=True).encode())
+    return {"rows": len(rows), "train": len(train), "eval": len(ev),
+            "sidecar_sha256": hashlib.sha256(Path(spec.path).read_bytes()).hexdigest(), "first_rows_sha256": head.hexdigest()}
+
+
+def check_resume(state: dict, cfg: RunConfig, job: "Job", where) -> None:
+    """Refuse, in one line naming the field, a resume whose config or data differ from what the
+    checkpoint was written with (a run saved before these were recorded is not checked)."""
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    saved = state.get("config")
+    if saved is not None:
+        now, then = flat(cfg.model_dump(mode="json")), flat(saved)
+        for key in sorted(set(now) | set(then)):
+            if not key.startswith(RESUME_MAY_CHANGE) and now.get(key) != then.get(key):
+                raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
+                                           "a resumed run continues exactly, so it cannot change (start a new run instead)")
+    data = state.get("data")
+    if data is not None and job.data_fingerprint is not None and data != job.data_fingerprint:
+        changed = [k for k in data if data.get(k) != job.data_fingerprint.get(k)]
+        raise NlaInputError(where, f"the data differ from the checkpoint's ({', '.join(changed)} changed): a resumed run "
+                                   "reads the rows it was checkpointed on")
 
 
 def prepare_job(cfg: RunConfig, log=print) -> Job:
@@ -81,4 +123,5 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     meannorm, rawvar = fve_baselines(golds, spec.mse_scale)
     log(f"[data] {len(train)} training rows, {len(ev)} eval rows (document-disjoint), d={spec.d_model}; "
         f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
-    return Job(cfg, spec, tok, train, ev, prompt_ids, pi_train, pi_eval, rawvar, meannorm)
+    return Job(cfg, spec, tok, train, ev, prompt_ids, pi_train, pi_eval, rawvar, meannorm,
+               data_fingerprint(rows, train, ev, spec))

@@ -89,3 +89,27 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_named(tiny_dir, tmp_path, da
     assert "[resume] from" in res.stdout and "step_000002 at step 2" in res.stdout
     rows = [l for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6  # steps 2 and 3 redone from the complete checkpoint, then 4 and 5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_refuses_a_changed_config_naming_the_field(tiny_dir, tmp_path):
+    import yaml
+
+    run = tmp_path / "run"
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "2", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "logging.eval_every=0", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    original = (run / "config.yaml").read_text()
+    for section, key, value in (("learner", "lr", 1.0e-4), ("learner", "lora_r", 16), ("data", "max_rows", 100)):
+        raw = yaml.safe_load(original)
+        raw[section][key] = value
+        (run / "config.yaml").write_text(yaml.safe_dump(raw))
+        res = run_cli("train", "--resume", run, "--steps", "4", timeout=300)
+        assert res.returncode == 2 and "Traceback" not in res.stderr and "[ray]" not in res.stdout, res.stderr[-2000:]
+        assert f"{section}.{key}: " in res.stderr and "when the checkpoint was written" in res.stderr, res.stderr
+    raw = yaml.safe_load(original)
+    raw["logging"]["every"] = 2  # what a run logs may change
+    (run / "config.yaml").write_text(yaml.safe_dump(raw))
+    res = run_cli("train", "--resume", run, "--steps", "3", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
