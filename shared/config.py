@@ -53,6 +53,21 @@ class InjectionConfig(_Section):
     karvonen_layer: int = Field(1, ge=0, le=256)
     """Decoder block after which karvonen mode adds the vector."""
 
+    @field_validator("scale")
+    @classmethod
+    def _scale(cls, v):
+        import math
+
+        if v is None or v.strip().lower() in ("raw", "none", "sqrt_d_model", "sqrt_d", "embed_norm"):
+            return v
+        try:
+            value = float(v)
+        except ValueError:
+            value = float("nan")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"expected a positive number, 'sqrt_d_model', 'embed_norm' or 'raw', found {v!r}")
+        return v
+
 
 class RolloutConfig(_Section):
     backend: Literal["vllm", "hf"] = "vllm"

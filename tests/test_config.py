@@ -42,6 +42,8 @@ def test_overrides_and_roundtrip(tmp_path):
     ({"learner": {"forward": "fused"}}, "learner.forward"),
     ({"placement": {"mode": "cluster"}}, "placement.mode"),
     ({"critic": {"train": "yes"}}, "critic.train"),
+    ({"injection": {"scale": "banana"}}, "injection.scale: expected a positive number, 'sqrt_d_model', 'embed_norm' or 'raw', found 'banana'"),
+    ({"injection": {"scale": "-3"}}, "injection.scale: expected a positive number"),
     ({"weight_sync": {"kind": "nccl"}}, "weight_sync.kind: expected one of auto, host, cuda_ipc, broadcast, file, found 'nccl'"),
     ({"weight_sync": {"timeout_s": 5}}, "weight_sync.kind: missing"),
     ({"weight_sync": {"kind": "host", "timeout_s": 5}}, "weight_sync.timeout_s: unknown key (weight_sync.kind=host)"),
