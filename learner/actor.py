@@ -15,6 +15,11 @@ class LearnerActor:
         from shared.collective import DataParallel
 
         self.learner = Learner(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
+        # this process starts from an arbitrary RNG state (Ray seeds its workers at random): seed it, so the
+        # stream a checkpoint saves and a resume restores is the same in a straight run and a resumed one
+        import torch
+
+        torch.manual_seed(cfg.seed)
         self.sender = make_sender(cfg.weight_sync, device)  # owns each export's buffer (shared.weight_sync)
 
     def update(self, samples, advantages, vectors) -> dict:

@@ -100,6 +100,9 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     a, b = _adapter(straight, 6), _adapter(halves, 6)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert _comparable(_metrics(straight)) == _comparable(_metrics(halves))
+    # the learner's RNG stream too (nothing draws from it today; the next draw must not diverge)
+    rng = [load_file(str(r / "checkpoints" / "step_000006" / "policy" / "rng.safetensors")) for r in (straight, halves)]
+    assert rng[0].keys() == rng[1].keys() and all((rng[0][k] == rng[1][k]).all() for k in rng[0])
 
     # killed hard mid-run (after its first checkpoint): resumes from it, same end state
     killed = tmp_path / "killed"
