@@ -168,26 +168,26 @@ class Critic:
         return [plan[j] for j in self.dp.share([sum(len(ids[i]) for i in chunk) for chunk in plan])]
 
     @torch.no_grad()
-    def score(self, explanations: list[str | None], activations, mine: bool = False) -> list[float | None]:
-        """Normalised MSE per sample; None for a missing explanation, an over-long prompt or a non-finite
-        result. ``mine``: only this data-parallel rank's micro-batches are scored (the rest stay None)."""
-        golds = self._golds(activations, len(explanations))
-        ids = self.encode(explanations)
-        scores: list[float | None] = [None] * len(explanations)
-        plan = self._plan(ids)
-        for chunk in (self._share(plan, ids) if mine else plan):
+    def _score_chunks(self, ids, golds, chunks, n: int) -> list[float | None]:
+        scores: list[float | None] = [None] * n
+        for chunk in chunks:
             pred = self.model(*self._batch([ids[i] for i in chunk]))
             mse = normalized_mse(pred, golds[chunk].to(pred.device), self.mse_scale)
             for i, value in zip(chunk, mse.tolist()):
                 scores[i] = value if math.isfinite(value) else None
         return scores
 
-    def score_share(self, explanations: list[str | None], activations) -> list[tuple[int, float | None]]:
-        """``(index, score)`` for this rank's micro-batches: ranks together score each sample once."""
+    def score(self, explanations: list[str | None], activations) -> list[float | None]:
+        """Normalised MSE per sample; None for a missing explanation, an over-long prompt or a non-finite result."""
         ids = self.encode(explanations)
-        mine = [i for chunk in self._share(self._plan(ids), ids) for i in chunk]
-        scores = self.score(explanations, activations, mine=True)
-        return [(i, scores[i]) for i in mine]
+        return self._score_chunks(ids, self._golds(activations, len(explanations)), self._plan(ids), len(explanations))
+
+    def score_share(self, explanations: list[str | None], activations) -> list[tuple[int, float | None]]:
+        """``(index, score)`` for this data-parallel rank's micro-batches: ranks together score each sample once."""
+        ids = self.encode(explanations)
+        share = self._share(self._plan(ids), ids)
+        scores = self._score_chunks(ids, self._golds(activations, len(explanations)), share, len(explanations))
+        return [(i, scores[i]) for chunk in share for i in chunk]
 
     # ---- co-training -----------------------------------------------------------------------
     def _ensure_optimizer(self):

@@ -134,14 +134,19 @@ def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None):
                     CriticGroup([remote(FakeCritic).remote()]), [], "cpu")
 
 
-def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
+def _failed_run(ray, tiny_dir, tmp_path, steps, **faults):
+    """The StepError's message of a run with stand-in actors that fail as ``faults`` say, and its run dir."""
     from orchestrator.driver import StepError, train
 
-    job = _job(tiny_dir, steps=5)
+    job = _job(tiny_dir, steps=steps)
     run = RunDir.create(tmp_path / "run", job.cfg)
     with pytest.raises(StepError) as exc:
-        train(job, run, _services(ray_local, 2, die_at_call=2), log=lambda m: None)
-    msg = str(exc.value)
+        train(job, run, _services(ray, 2, **faults), log=lambda m: None)
+    return str(exc.value), run
+
+
+def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
+    msg, run = _failed_run(ray_local, tiny_dir, tmp_path, 5, die_at_call=2)
     assert msg.startswith("step 2 (rollout): a service actor died (rollout engine 0 of 1): ") and "\n" not in msg
     assert [r["step"] for r in run.read_metrics()] == [0, 1]  # the steps before the crash were logged
 
@@ -190,13 +195,7 @@ def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_pa
 
 
 def test_an_error_inside_an_actor_is_its_cause_in_one_line(ray_local, tiny_dir, tmp_path):
-    from orchestrator.driver import StepError, train
-
-    job = _job(tiny_dir, steps=4)
-    run = RunDir.create(tmp_path / "run", job.cfg)
-    with pytest.raises(StepError) as exc:
-        train(job, run, _services(ray_local, 2, fail_at=1), log=lambda m: None)
-    msg = str(exc.value)
+    msg, _ = _failed_run(ray_local, tiny_dir, tmp_path, 4, fail_at=1)
     assert msg == "step 1 (update): learner rank 0 of 1: OSError: [Errno 28] No space left on device", msg
 
 
