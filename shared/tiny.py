@@ -208,3 +208,22 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# The tiny demo (deploy/tiny.yaml) on a GPU: vLLM's GPU LoRA kernels refuse float32, so bf16; 16-bit full
+# fine-tuning of the critic is refused, so the critic trains a LoRA; a little of the GPU for vLLM, eager
+# (the tiny model gains nothing from CUDA graphs), and no checkpoints.
+GPU_OVERRIDES = ("model.dtype=bfloat16", "critic.lora_r=8", "rollout.gpu_memory_utilization=0.1",
+                 "rollout.enforce_eager=true", "checkpointing.every=0")
+
+
+def learning_summary(rows: list[dict], window: int = 25) -> dict:
+    """Means of reward and FVE over the first and last ``window`` steps of a run's metrics rows, and the
+    held-out eval FVE at each eval step: what the GPU test's margins are checked on."""
+    def mean(key, part):
+        return float(np.mean([r[key] for r in part]))
+
+    first, last = rows[:window], rows[-window:]
+    return {"steps": len(rows), "reward_first": mean("reward_mean", first), "reward_last": mean("reward_mean", last),
+            "fve_first": mean("fve", first), "fve_last": mean("fve", last),
+            "eval_fve": {int(r["step"]): float(r["eval/fve"]) for r in rows if "eval/fve" in r}}

@@ -91,3 +91,14 @@ def test_shuffled_order_deterministic_and_resumable():
     assert ShuffledOrder(10, seed=4).next_batch(4) != ShuffledOrder(10, seed=3).next_batch(4)
     with pytest.raises(ValueError):
         ShuffledOrder(3, seed=0).next_batch(4)
+
+
+def test_learning_summary_means_first_and_last_windows_and_collects_evals():
+    from shared.tiny import learning_summary
+
+    rows = [{"step": i, "reward_mean": float(i), "fve": -float(i)} for i in range(10)]
+    rows[4]["eval/fve"] = 0.5
+    got = learning_summary(rows, window=3)
+    assert (got["reward_first"], got["reward_last"]) == (1.0, 8.0)
+    assert (got["fve_first"], got["fve_last"]) == (-1.0, -8.0)
+    assert got["eval_fve"] == {4: 0.5} and got["steps"] == 10

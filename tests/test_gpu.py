@@ -10,6 +10,11 @@ from conftest import ROOT, run_cli
 from rollout_support import tiny_config, tiny_requests
 from shared.config import build_config
 from shared.spec import load_spec, sidecar_path
+from shared.tiny import GPU_OVERRIDES, learning_summary
+
+# the colocated job's gains over 250 steps (last 25 minus first 25 steps' means): below the smallest
+# gains of three seeds on an H200 (+2.03 and +1.58, benchmarks/RESULTS.md §3), about half of them
+REWARD_GAIN, FVE_GAIN = 1.0, 0.8
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -57,14 +62,10 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
 
 
 def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
-    """The tiny demo on GPUs: bf16 (vLLM's GPU LoRA kernels refuse float32), so the critic trains a LoRA
-    (16-bit full fine-tuning is refused)."""
+    """The tiny demo on GPUs (``shared.tiny.GPU_OVERRIDES``: bf16, a critic LoRA, no checkpoints)."""
     args = ["train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, "--steps", str(steps),
-            "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}",
-            "--set", "model.dtype=bfloat16", "--set", "critic.lora_r=8",
-            "--set", "rollout.gpu_memory_utilization=0.1", "--set", "rollout.enforce_eager=true",
-            "--set", "checkpointing.every=0"]
-    for s in sets:
+            "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
+    for s in (*GPU_OVERRIDES, *sets):
         args += ["--set", s]
     res = run_cli(*args, timeout=timeout)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
@@ -76,15 +77,18 @@ def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
 
 def test_colocated_job_with_vllm_sleep_learns_on_one_gpu(tiny_dir, tmp_path):
     """The tiny demo on one GPU through Ray: adapters cross by CUDA IPC, vLLM sleeps through every
-    update and wakes with the same weights, and the policy learns."""
-    rows = _gpu_job(tiny_dir, tmp_path / "colocated", 100, "placement.mode=colocated",
+    update and wakes with the same weights, and the policy learns.
+
+    250 steps as the CPU demo: at 100 the bf16 job was still taking off (the rise came anywhere from
+    step 60 to past 100), so a 100-step margin measured luck. The margins sit below the smallest gain of
+    three seeds measured on an H200 (``benchmarks/tiny_spread.py``, RESULTS.md)."""
+    rows = _gpu_job(tiny_dir, tmp_path / "colocated", 250, "placement.mode=colocated",
                     "rollout.sleep_during_update=true", "logging.eval_every=50")
-    first, last = rows[:25], rows[-25:]
-    r0, r1 = np.mean([r["reward_mean"] for r in first]), np.mean([r["reward_mean"] for r in last])
-    f0, f1 = np.mean([r["fve"] for r in first]), np.mean([r["fve"] for r in last])
-    print(f"colocated: reward {r0:+.2f} -> {r1:+.2f}, fve {f0:+.2f} -> {f1:+.2f}")
-    assert r1 - r0 > 0.4 and f1 > f0 + 0.4, (r0, r1, f0, f1)
-    assert rows[-1]["adapter_version"] == 101 and all(r["time/sleep"] > 0 for r in rows)
+    got = learning_summary(rows)
+    print(f"colocated: {got}")
+    assert got["reward_last"] - got["reward_first"] > REWARD_GAIN, got
+    assert got["fve_last"] - got["fve_first"] > FVE_GAIN, got
+    assert rows[-1]["adapter_version"] == 251 and all(r["time/sleep"] > 0 for r in rows)
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3  # bf16 noise; a stale or lost adapter is far above
 
 
