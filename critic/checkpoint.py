@@ -122,3 +122,36 @@ def save_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> N
 def load_optimizer(ckpt_dir: str | Path, optimizer, param_names: list[str]) -> None:
     """Restore a state saved by ``save_optimizer``; the optimiser kind and parameter list must match."""
     fileio.load_optimizer(ckpt_dir, optimizer, param_names, OPTIM_TENSORS_NAME, OPTIM_META_NAME, what="critic")
+
+
+# ---- a frozen critic: checkpoints record what it was built from instead of copying it -----------
+FROZEN_RECORD = "critic.json"
+FROZEN_FORMAT = "nla-grpo-frozen-critic"
+
+
+def write_frozen_record(record: str | Path, checkpoint: str | Path | None) -> None:
+    """For a critic that never trains: the SHA-256 of the AR checkpoint it was loaded from, or, without
+    one, that it is built from the base model as the config says (identity value head, no LoRA update)."""
+    files = {}
+    if checkpoint is not None:
+        files = {n: fileio.sha256_file(Path(checkpoint) / n) for n in (META_NAME, WEIGHTS_NAME)}
+    fileio.write_json(record, {"format": FROZEN_FORMAT, "source": "critic.checkpoint" if checkpoint else "model",
+                               "sha256": files})
+
+
+def check_frozen_record(record: str | Path, checkpoint: str | Path | None) -> None:
+    """The critic this run builds (from ``checkpoint``, the config's ``critic.checkpoint``) is the one the
+    record was written with; a one-line error naming the record otherwise."""
+    raw = fileio.read_json_object(record)
+    if raw.get("format") != FROZEN_FORMAT or raw.get("source") not in ("critic.checkpoint", "model") \
+            or not isinstance(raw.get("sha256"), dict):
+        raise NlaInputError(record, f"expected a {FROZEN_FORMAT} record (format, source, sha256)")
+    if (raw["source"] == "model") != (checkpoint is None):
+        now = f"critic.checkpoint {checkpoint}" if checkpoint else "the base model (no critic.checkpoint)"
+        raise NlaInputError(record, f"the frozen critic came from {raw['source']}, this run builds it from {now}")
+    for name, digest in raw["sha256"].items():
+        f = Path(checkpoint) / name
+        if not f.is_file():
+            raise NlaInputError(record, f"the frozen critic's file is missing: {f}")
+        if fileio.sha256_file(f) != digest:
+            raise NlaInputError(record, f"critic.checkpoint has changed since the checkpoint was written (SHA-256 of {f} differs)")

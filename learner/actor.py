@@ -44,8 +44,11 @@ class LearnerActor:
         argument makes Ray skip this call when the export failed, so no stale buffer is ever sent."""
         self.sender.send(message)
 
-    def save(self, directory: str) -> str:
-        return str(self.learner.save(directory))
+    def save(self, directory: str, reference: str | None = None) -> str:
+        return str(self.learner.save(directory, reference))
+
+    def save_reference(self, directory: str) -> str:
+        return str(self.learner.save_reference(directory))
 
     def load(self, directory: str) -> int:
         """Returns the restored step."""

@@ -26,6 +26,7 @@ STATE_FILE = "learner_state.json"
 OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
 RNG_FILE = "rng.safetensors"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
+REFERENCE_RECORD = "reference.json"  # where a checkpoint points at the run's frozen reference adapter
 
 
 @dataclass
@@ -417,21 +418,40 @@ class Learner:
                     total[2] += moment.double().abs().sum()
         return [self.step, self.version, *total.tolist()]
 
-    def save(self, directory) -> Path:
-        """Adapters (policy, reference), optimiser state, RNG, step and version; atomically."""
-        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_json
+    def save(self, directory, reference: str | None = None) -> Path:
+        """Policy adapter, optimiser state, RNG, step and version, atomically; the frozen reference adapter
+        too, or, given ``reference`` (a directory ``save_reference`` wrote), a record pointing at it."""
+        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_json, write_reference
 
         with atomic_directory(directory) as tmp:
-            for name, sub in ((POLICY, "policy"), (REFERENCE, "reference")):
-                (tmp / sub).mkdir()
-                save_tensors(tmp / sub / ADAPTER_FILE, self.policy.adapter_parameters(name))
-                write_json(tmp / sub / ADAPTER_CONFIG, self._peft_config(name))
+            self._save_adapter(POLICY, tmp / "policy")
+            if reference is None:
+                self._save_adapter(REFERENCE, tmp / "reference")
+            else:
+                # relative to the final directory, which sits where ``tmp`` does
+                write_reference(tmp / REFERENCE_RECORD, reference, [ADAPTER_FILE, ADAPTER_CONFIG])
             save_optimizer(tmp, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META)
             save_tensors(tmp / RNG_FILE, capture_rng())
             write_json(tmp / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
                                           "injection_mode": self.cfg.injection.mode,
                                           "micro_batch_tokens": self.micro_batch_tokens})
         return Path(directory)
+
+    def save_reference(self, directory) -> Path:
+        """The frozen reference adapter alone (written once per run; checkpoints then point at it)."""
+        from shared.fileio import atomic_directory
+
+        with atomic_directory(directory) as tmp:
+            self._save_adapter(REFERENCE, tmp, mkdir=False)
+        return Path(directory)
+
+    def _save_adapter(self, name: str, directory: Path, mkdir: bool = True) -> None:
+        from shared.fileio import save_tensors, write_json
+
+        if mkdir:
+            directory.mkdir()
+        save_tensors(directory / ADAPTER_FILE, self.policy.adapter_parameters(name))
+        write_json(directory / ADAPTER_CONFIG, self._peft_config(name))
 
     def _load_adapter(self, name: str, path: Path) -> None:
         from shared.fileio import load_tensors
@@ -449,7 +469,7 @@ class Learner:
 
     def load(self, directory) -> None:
         """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
-        from shared.fileio import load_optimizer, load_tensors, read_json_object, restore_rng
+        from shared.fileio import load_optimizer, load_tensors, read_json_object, resolve_reference, restore_rng
 
         d = Path(directory)
         if not (d / STATE_FILE).is_file():
@@ -463,8 +483,12 @@ class Learner:
         # first: it checks that the saved parameters are this adapter's before anything is overwritten
         load_optimizer(d, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
         self._load_adapter(POLICY, d / "policy" / ADAPTER_FILE)
-        # the reference is the run's initial adapter: restored from the checkpoint, never trained
-        self._load_adapter(REFERENCE, d / "reference" / ADAPTER_FILE)
+        # the reference is the run's initial adapter: restored from the checkpoint (a copy, or the frozen
+        # file its record points at, checked against its SHA-256), never trained
+        if (d / "reference").is_dir():
+            self._load_adapter(REFERENCE, d / "reference" / ADAPTER_FILE)
+        else:
+            self._load_adapter(REFERENCE, resolve_reference(d / REFERENCE_RECORD) / ADAPTER_FILE)
         restore_rng(load_tensors(d / RNG_FILE))
         self.step, self.version = int(state["step"]), int(state["version"])
         # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)

@@ -106,7 +106,6 @@ def _config_check(args) -> int:
 
 
 def _train(args) -> int:
-    import json
     import time
     from pathlib import Path
 
@@ -133,7 +132,7 @@ def _train(args) -> int:
         if resume_from is not None:
             from orchestrator.job import check_resume
 
-            check_resume(json.loads((resume_from / "state.json").read_text()), cfg, job, run.path / "config.yaml")
+            check_resume(resume_from, cfg, job, run.path / "config.yaml")
         run.save_config(cfg)
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)

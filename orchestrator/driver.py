@@ -125,14 +125,29 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
 
     The caller commits it (renames it into place) only after the step's metrics are written, so a
     kill in between resumes from the previous checkpoint and redoes the step with its log line.
+    What never changes is not copied each time (unless ``checkpointing.self_contained``): the reference
+    adapter is written once into the run directory and a frozen critic is the one the config builds;
+    the checkpoint records their SHA-256.
     """
+    from critic.checkpoint import FROZEN_RECORD, write_frozen_record
+
+    cfg = job.cfg
     tmp = run.checkpoint_tmp(step)
-    services.critic.save(str(tmp / "critic"))
-    services.learner.save(str(tmp / "policy"))
+    by_reference = not cfg.checkpointing.self_contained
+    if by_reference and not cfg.critic.train:
+        write_frozen_record(tmp / FROZEN_RECORD, cfg.critic.checkpoint)
+    else:
+        services.critic.save(str(tmp / "critic"))
+    if by_reference:
+        if not run.frozen_reference.is_dir():
+            services.learner.save_reference(str(run.frozen_reference))
+        services.learner.save(str(tmp / "policy"), str(run.frozen_reference))
+    else:
+        services.learner.save(str(tmp / "policy"))
     feed.save(tmp)
     # the config and the data it was written with: resume refuses to continue on anything else
     state = {"step": step, "order": order.state(), "adapter_version": version,
-             "config": job.cfg.model_dump(mode="json"), "data": job.data_fingerprint}
+             "config": cfg.model_dump(mode="json"), "data": job.data_fingerprint}
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     return tmp
 
@@ -152,7 +167,8 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     try:
         if resume_from is not None:
             state = json.loads((resume_from / "state.json").read_text())
-            services.critic.load(str(resume_from / "critic"))
+            if (resume_from / "critic").is_dir():  # else a frozen critic: the one the config built (checked at start-up)
+                services.critic.load(str(resume_from / "critic"))
             services.learner.load(str(resume_from / "policy"))
             order = ShuffledOrder.from_state(state["order"])
             start = int(state["step"])

@@ -100,11 +100,15 @@ class RankGroup:
                 raise RankFailure(f"{self.name} rank {r} of {len(self.actors)} disagrees with rank 0 {step_what} "
                                   f"(state fingerprint {s} against {sums[0]}): the ranks did not take the same steps")
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str, *args) -> None:
         """Rank 0 writes; every rank's trained state is checked against rank 0's first."""
         if len(self.actors) > 1:
             self._check_same_state("at a checkpoint")
-        self._all([self.leader.save.remote(directory)])
+        self._all([self.leader.save.remote(directory, *args)])
+
+    def save_reference(self, directory: str) -> None:
+        """Rank 0 writes the frozen part (the same on every rank)."""
+        self._all([self.leader.save_reference.remote(directory)])
 
     def load(self, directory: str) -> None:
         self._each("load", directory)

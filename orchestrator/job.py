@@ -4,6 +4,7 @@ A bad config or bad data stops here with the foundation's one-line errors.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,9 +60,12 @@ def data_fingerprint(rows, train, ev, spec) -> dict:
             "sidecar_sha256": hashlib.sha256(Path(spec.path).read_bytes()).hexdigest(), "first_rows_sha256": head.hexdigest()}
 
 
-def check_resume(state: dict, cfg: RunConfig, job: "Job", where) -> None:
-    """Refuse, in one line naming the field, a resume whose config or data differ from what the
-    checkpoint was written with (a run saved before these were recorded is not checked)."""
+def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where) -> None:
+    """Refuse, in one line naming the field, a resume whose config, data or frozen critic differ from
+    what the checkpoint was written with (a run saved before these were recorded is not checked)."""
+    from critic.checkpoint import FROZEN_RECORD, check_frozen_record
+
+    state = json.loads((ckpt / "state.json").read_text())
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
@@ -80,6 +84,8 @@ def check_resume(state: dict, cfg: RunConfig, job: "Job", where) -> None:
         changed = [k for k in data if data.get(k) != job.data_fingerprint.get(k)]
         raise NlaInputError(where, f"the data differ from the checkpoint's ({', '.join(changed)} changed): a resumed run "
                                    "reads the rows it was checkpointed on")
+    if (ckpt / FROZEN_RECORD).is_file():
+        check_frozen_record(ckpt / FROZEN_RECORD, cfg.critic.checkpoint)
 
 
 def prepare_job(cfg: RunConfig, log=print) -> Job:

@@ -19,7 +19,8 @@ from shared.fileio import jsonable, write_text
 
 LOCK_FILE = ".lock"
 # what every checkpoint holds (learner.service and critic.scoring write the rest)
-REQUIRED_PARTS = ("state.json", "policy/learner_state.json", "critic/critic_meta.json")
+# each a file, or one of several (a frozen critic is a record, not a copy)
+REQUIRED_PARTS = ("state.json", "policy/learner_state.json", ("critic/critic_meta.json", "critic.json"))
 _HELD: list[int] = []  # lock file descriptors this process holds
 
 
@@ -35,6 +36,8 @@ class RunDir:
         self.samples = self.path / "samples.jsonl"
         self.checkpoints = self.path / "checkpoints"
         self.plots = self.path / "plots"
+        # written once per run: checkpoints point at it (unless checkpointing.self_contained)
+        self.frozen_reference = self.path / "frozen" / "reference"
 
     # ---- creation / resume ----
     @staticmethod
@@ -154,9 +157,12 @@ class RunDir:
         whose header or size is wrong), or None. Reads headers only, never the tensors."""
         from safetensors import safe_open
 
+        from shared.fileio import resolve_reference
+
         for part in REQUIRED_PARTS:
-            if not (ckpt / part).is_file():
-                return f"{part} is missing"
+            options = (part,) if isinstance(part, str) else part
+            if not any((ckpt / p).is_file() for p in options):
+                return f"{' or '.join(options)} is missing"
         for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
             rel = f.relative_to(ckpt)
             try:
@@ -167,6 +173,12 @@ class RunDir:
                         list(h.keys())
             except Exception as exc:  # any parse failure means "damaged"; the caller names the file
                 return f"{rel} is damaged ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
+        # frozen files a checkpoint points at: present, and the bytes it was written with
+        for record in sorted(ckpt.rglob("reference.json")):
+            try:
+                resolve_reference(record)
+            except NlaInputError as exc:
+                return f"{record.relative_to(ckpt)}: {exc.problem}"
         return None
 
     def loadable_checkpoint(self, log=print) -> Path | None:

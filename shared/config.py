@@ -265,6 +265,9 @@ class CheckpointConfig(_Section):
     """Save a full checkpoint every N steps (0 = only at the end)."""
     keep_last: int = Field(3, ge=1, le=1000)
     """Checkpoints kept in the run directory."""
+    self_contained: bool = False
+    """Copy the frozen parts (the reference adapter; the critic when critic.train is off) into every
+    checkpoint, so each stands alone; off: checkpoints point at them by path and SHA-256."""
 
 
 class RunConfig(_Section):

@@ -46,7 +46,8 @@ def open_parquet(path: str | Path):
     if not p.is_file():
         raise NlaInputError(p, "parquet file not found")
     try:
-        pf = pq.ParquetFile(p)
+        # pages written with a CRC (ours are) are checked as they are read; others cannot be
+        pf = pq.ParquetFile(p, page_checksum_verification=True)
     except (pa.ArrowInvalid, OSError) as exc:
         raise NlaInputError(p, f"not a parquet file ({str(exc).splitlines()[0][:80]})") from None
     names = pf.schema_arrow.names
@@ -100,6 +101,19 @@ def _check_prompt(prompt, where: Path, row: int) -> list[dict]:
     return [{"role": m.get("role"), "content": m["content"]} for m in prompt]
 
 
+def _read_row_group(pf, rg: int, where: Path, first_row: int):
+    """One row group's required columns; a damaged one (footer intact, a page that fails its CRC or
+    does not decode) is a one-line error naming it and its rows."""
+    import pyarrow as pa
+
+    try:
+        return pf.read_row_group(rg, columns=list(REQUIRED_COLUMNS))
+    except (pa.ArrowException, OSError) as exc:
+        last = first_row + pf.metadata.row_group(rg).num_rows - 1
+        raise NlaInputError(where, f"row group {rg} of {pf.num_row_groups} (rows {first_row}-{last}) is damaged "
+                                   f"({(str(exc).splitlines() or [type(exc).__name__])[0][:100]})") from None
+
+
 def read_rows(path: str | Path, d_model: int, max_rows: int | None = None, progress=None) -> RlRows:
     """Stream the parquet row group by row group and stop after ``max_rows``; every row validated."""
     p = Path(path)
@@ -111,7 +125,7 @@ def read_rows(path: str | Path, d_model: int, max_rows: int | None = None, progr
     for rg in range(pf.num_row_groups):
         if max_rows is not None and seen >= max_rows:
             break
-        table = pf.read_row_group(rg, columns=list(REQUIRED_COLUMNS))
+        table = _read_row_group(pf, rg, p, seen)
         if max_rows is not None:
             table = table.slice(0, max_rows - seen)
         acts.append(_activation_matrix(table.column("activation_vector"), d_model, p, seen))

@@ -7,11 +7,15 @@ optimiser state and RNG as tensors + JSON. Nothing here ever unpickles.
 - ``jsonable(obj, nonfinite=...)``: the one JSON sanitiser (sets, tuples, enums; NaN/inf kept,
   or replaced, e.g. by None for strict JSON lines);
 - ``save_optimizer`` / ``load_optimizer``: ``optimizer.state_dict()`` as safetensors + JSON, one
-  schema for learner and critic (the critic's older ``state_scalars`` files still load).
+  schema for learner and critic (the critic's older ``state_scalars`` files still load);
+- ``write_reference`` / ``resolve_reference``: a small JSON record that points at a directory of
+  frozen files (the reference adapter, a frozen critic) with each file's SHA-256, so a checkpoint
+  need not copy what never changes.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -210,3 +214,47 @@ def restore_rng(rng: dict) -> None:
     cuda = sorted((int(k.split(".")[1]), v) for k, v in rng.items() if k.startswith("cuda."))
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([v for _, v in cuda][: torch.cuda.device_count()])
+
+
+# ---- references to frozen files ---------------------------------------------------------------
+REFERENCE_FORMAT = "nla-grpo-reference"
+_DIGESTS: dict[tuple, str] = {}  # (path, size, mtime_ns) -> sha256: a frozen file is hashed once per process
+
+
+def sha256_file(path: str | Path) -> str:
+    path = Path(path).resolve()
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        _DIGESTS[key] = h.hexdigest()
+    return _DIGESTS[key]
+
+
+def write_reference(record: str | Path, target: str | Path, names: list[str], relative: bool = True) -> None:
+    """``record`` (JSON) points at ``target`` (relative to the record's directory when ``relative``, so
+    the run directory can move) and holds the SHA-256 of each of ``names`` in it."""
+    record, target = Path(record), Path(target)
+    where = os.path.relpath(target.resolve(), record.parent.resolve()) if relative else str(target.resolve())
+    write_json(record, {"format": REFERENCE_FORMAT, "path": where,
+                        "sha256": {n: sha256_file(target / n) for n in names}})
+
+
+def resolve_reference(record: str | Path, verify: bool = True) -> Path:
+    """The directory ``record`` points at; with ``verify``, every file it lists must be there with its
+    SHA-256. A one-line error names the record and the file otherwise."""
+    record = Path(record)
+    raw = read_json_object(record)
+    if raw.get("format") != REFERENCE_FORMAT or not isinstance(raw.get("path"), str) or not isinstance(raw.get("sha256"), dict):
+        raise NlaInputError(record, f"expected a {REFERENCE_FORMAT} record (format, path, sha256)")
+    target = (record.parent / raw["path"]).resolve()
+    for name, digest in raw["sha256"].items() if verify else ():
+        f = target / name
+        if not f.is_file():
+            raise NlaInputError(record, f"the frozen file it references is missing: {f}")
+        if sha256_file(f) != digest:
+            raise NlaInputError(record, f"the frozen file it references has changed since the checkpoint (SHA-256 differs): {f}")
+    return target

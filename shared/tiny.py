@@ -153,7 +153,8 @@ def write_rl_parquet(path: Path, prompts, activations: np.ndarray, doc_ids, row_
         "activation_vector": vec,
         "doc_id": pa.array(doc_ids, type=pa.string()),
     })
-    pq.write_table(table, path, row_group_size=row_group_size)
+    # a CRC per page: a reader that checks them (shared.data does) finds a damaged page instead of its garbage
+    pq.write_table(table, path, row_group_size=row_group_size, write_page_checksum=True)
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: float = 0.3) -> Path:

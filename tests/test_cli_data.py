@@ -186,3 +186,20 @@ def test_bad_config_one_line(tmp_path, text, needle):
 def test_help_is_fast_and_lists_commands():
     res = run_cli("--help")
     assert res.returncode == 0 and "train" in res.stdout and "data" in res.stdout and "plot" in res.stdout
+
+
+@pytest.mark.parametrize("column", ["activation_vector", "prompt"])
+def test_a_damaged_row_group_is_one_line_naming_it(tmp_path, tiny_dir, column):
+    """The footer intact, one page's bytes flipped: its CRC catches it (garbage values otherwise)."""
+    path, _ = _copy_dataset(tiny_dir, tmp_path)
+    rows = read_rows(path, 64)
+    write_rl_parquet(path, rows.prompts, rows.activations, rows.doc_ids, row_group_size=128)
+    meta = pq.ParquetFile(path).metadata
+    names = [meta.schema.column(j).path for j in range(meta.num_columns)]
+    chunk = meta.row_group(2).column(next(j for j, n in enumerate(names) if n.startswith(column)))
+    data = bytearray(path.read_bytes())
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    middle = start + chunk.total_compressed_size // 2
+    data[middle] ^= 0xFF
+    path.write_bytes(bytes(data))
+    _expect_error(run_cli("data", "check", path), str(path), f"row group 2 of {meta.num_row_groups} (rows 256-383) is damaged")

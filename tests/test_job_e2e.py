@@ -89,7 +89,10 @@ def test_karvonen_job_on_vllm(tiny_dir, tmp_path):
 def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     common = ["--set", "checkpointing.every=3", "--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4"]
     straight = tmp_path / "straight"
-    _train(tiny_dir, straight, "--steps", "6", *common)
+    # self-contained checkpoints (the frozen reference copied into each) against the default (pointed at)
+    _train(tiny_dir, straight, "--steps", "6", *common, "--set", "checkpointing.self_contained=true")
+    assert (straight / "checkpoints" / "step_000006" / "policy" / "reference").is_dir()
+    assert not (straight / "frozen").exists()
 
     # k steps, stop, resume to 2k: identical adapter and metrics
     halves = tmp_path / "halves"
@@ -97,6 +100,7 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "[resume]" in res.stdout
+    assert (halves / "checkpoints" / "step_000006" / "policy" / "reference.json").is_file()
     a, b = _adapter(straight, 6), _adapter(halves, 6)
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert _comparable(_metrics(straight)) == _comparable(_metrics(halves))

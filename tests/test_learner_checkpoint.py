@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shared.errors import NlaInputError
 from shared.fileio import atomic_directory, join_optimizer_state, jsonable, split_optimizer_state
 
 
@@ -121,3 +122,29 @@ def test_strict_json_lines_and_clear_tensor_file_errors(tmp_path):
         load_tensors(tmp_path / "bad.safetensors")
     with pytest.raises(NlaInputError, match="file not found"):
         load_tensors(tmp_path / "none.safetensors")
+
+
+def test_a_frozen_critic_record_checks_the_critic_the_run_builds(tmp_path):
+    from critic.checkpoint import META_NAME, WEIGHTS_NAME, check_frozen_record, write_frozen_record
+
+    ar = tmp_path / "ar"
+    ar.mkdir()
+    (ar / META_NAME).write_text('{"num_layers": 2, "d_model": 4}')
+    (ar / WEIGHTS_NAME).write_bytes(b"weights")
+    write_frozen_record(tmp_path / "a.json", ar)
+    write_frozen_record(tmp_path / "m.json", None)
+    check_frozen_record(tmp_path / "a.json", ar)
+    moved = tmp_path / "moved"
+    ar.rename(moved)  # critic.checkpoint may move: the bytes are what count
+    check_frozen_record(tmp_path / "a.json", moved)
+    check_frozen_record(tmp_path / "m.json", None)
+    with pytest.raises(NlaInputError, match="came from critic.checkpoint, this run builds it from the base model"):
+        check_frozen_record(tmp_path / "a.json", None)
+    with pytest.raises(NlaInputError, match="came from model, this run builds it from critic.checkpoint"):
+        check_frozen_record(tmp_path / "m.json", moved)
+    (moved / WEIGHTS_NAME).write_bytes(b"weightz")
+    with pytest.raises(NlaInputError, match=r"a.json: critic.checkpoint has changed .*critic_weights.safetensors"):
+        check_frozen_record(tmp_path / "a.json", moved)
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(NlaInputError, match="expected a nla-grpo-frozen-critic record"):
+        check_frozen_record(tmp_path / "bad.json", None)

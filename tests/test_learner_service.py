@@ -8,6 +8,7 @@ import torch
 
 from learner.policy import POLICY, REFERENCE
 from learner.service import Learner
+from shared.errors import NlaInputError
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
 MODES = ("embed", "karvonen")
@@ -121,12 +122,33 @@ def test_reference_adapter_is_bit_identical_after_updates_and_resume(tiny_dir, r
         assert lp == pytest.approx(s.logprobs, abs=1e-5)
     assert m["kl_mean"] > 0
     learner.save(tmp_path / "ckpt")
-    fresh = _learner(tiny_dir, lr=1e-2)
-    fresh.load(tmp_path / "ckpt")
-    assert _equal(_adapter(fresh, REFERENCE), ref0)
+    # by reference: the frozen adapter once beside the run, the checkpoint a record of its SHA-256
+    frozen = learner.save_reference(tmp_path / "run" / "frozen" / "reference")
+    learner.save(tmp_path / "run" / "checkpoints" / "ckpt", reference=str(frozen))
+    by_ref = tmp_path / "run" / "checkpoints" / "ckpt"
+    assert not (by_ref / "reference").exists() and (by_ref / "reference.json").is_file()
+    assert (tmp_path / "ckpt" / "reference").is_dir()
+    for ckpt in (tmp_path / "ckpt", by_ref):
+        fresh = _learner(tiny_dir, lr=1e-2)
+        fresh.load(ckpt)
+        assert _equal(_adapter(fresh, REFERENCE), ref0) and _equal(_adapter(fresh, POLICY), _adapter(learner, POLICY))
     fresh.update(samples, _adv(len(samples)), vectors)
     assert _equal(_adapter(fresh, REFERENCE), ref0)
     assert all(not p.requires_grad for p in fresh.policy.adapter_parameters(REFERENCE).values())
+    # the run directory moves as a whole: the record's path is relative
+    (tmp_path / "run").rename(tmp_path / "moved")
+    moved = tmp_path / "moved" / "checkpoints" / "ckpt"
+    _learner(tiny_dir, lr=1e-2).load(moved)
+    # a frozen file that changed (or went) is refused, naming the record and the file
+    f = tmp_path / "moved" / "frozen" / "reference" / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    with pytest.raises(NlaInputError, match=r"reference.json: the frozen file it references has changed.*adapter_model"):
+        _learner(tiny_dir, lr=1e-2).load(moved)
+    f.unlink()
+    with pytest.raises(NlaInputError, match="reference.json: the frozen file it references is missing"):
+        _learner(tiny_dir, lr=1e-2).load(moved)
 
 
 def test_nan_loss_leaves_weights_and_optimizer_untouched(tiny_dir, rollouts):

@@ -1,5 +1,6 @@
 """Run-directory guards: one writer at a time, resume only forward, stray checkpoint copies ignored,
 configs read as people write them."""
+import json
 import subprocess
 import sys
 import time
@@ -113,3 +114,32 @@ def test_resume_refuses_a_changed_config_naming_the_field(tiny_dir, tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump(raw))
     res = run_cli("train", "--resume", run, "--steps", "3", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpoints_point_at_frozen_parts_instead_of_copying_them(tiny_dir, tmp_path):
+    """A frozen critic and the reference adapter are not copied into each checkpoint: the reference
+    is written once into the run directory, each checkpoint records SHA-256s; resume uses them, and a
+    frozen file that changed is refused in one line."""
+    run = tmp_path / "run"
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
+                  "--set", "critic.train=false", "--set", "logging.eval_every=0", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    for step in (2, 4):
+        ckpt = run / "checkpoints" / f"step_{step:06d}"
+        assert (ckpt / "critic.json").is_file() and not (ckpt / "critic").exists()
+        assert (ckpt / "policy" / "reference.json").is_file() and not (ckpt / "policy" / "reference").exists()
+        assert json.loads((ckpt / "critic.json").read_text())["source"] == "model"
+    assert (run / "frozen" / "reference" / "adapter_model.safetensors").is_file()
+    res = run_cli("train", "--resume", run, "--steps", "5", timeout=600)
+    assert res.returncode == 0 and "step_000004 at step 4" in res.stdout, res.stderr[-2000:]
+    f = run / "frozen" / "reference" / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    res = run_cli("train", "--resume", run, "--steps", "6", timeout=120)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
+    assert "no loadable checkpoint" in err[0] and "policy/reference.json: the frozen file it references has changed" in err[0]
