@@ -16,6 +16,7 @@ listens), then every member, rank 0 included, joins at the same time (the group'
 from __future__ import annotations
 
 import datetime
+import socket
 
 BACKENDS = ("nccl", "gloo")
 
@@ -78,9 +79,17 @@ class _Rendezvous:
         import torch.distributed as dist
 
         host = ray.util.get_node_ip_address()
-        # port 0: the OS picks a free port while the store binds it (no window for another process)
-        self.store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False)
-        return host, self.store.port
+        # bound here, on the node's address only (the store alone would listen on every interface;
+        # a private local cluster's address is loopback); port 0: the OS picks a free one while binding
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(world_size * 4)
+        port = sock.getsockname()[1]
+        self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=self.timeout, wait_for_workers=False,
+                                   master_listen_fd=sock.detach(), use_libuv=True)  # the store owns the socket now
+        return host, port
 
     def store_for(self, host: str, port: int, rank: int, world_size: int, prefix: str):
         import torch.distributed as dist

@@ -47,6 +47,29 @@ def private_ray_dir() -> str:
     return tempfile.mkdtemp(prefix="nlaray", dir="/tmp")
 
 
+def listening_sockets(pid: int) -> dict:
+    """``{(ip, port): process name}`` for every TCP socket listening in ``pid`` and its descendants now."""
+    import psutil
+
+    found = {}
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return found
+    for proc in procs:
+        try:
+            for c in proc.net_connections(kind="tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    found[(c.laddr.ip, c.laddr.port)] = proc.name()
+        except psutil.Error:  # gone meanwhile
+            pass
+    return found
+
+
+def is_loopback(ip: str) -> bool:
+    return ip == "::1" or ip.removeprefix("::ffff:").startswith("127.")
+
+
 def stop_ray_in(temp_root: str) -> None:
     """Kill the processes of the Ray cluster whose temp root is ``temp_root``, then remove it."""
     needle = temp_root.encode()
