@@ -45,7 +45,10 @@ class FakeLearner:
     def send_adapter(self, message):
         assert message.version == self.version
 
-    def save(self, directory):
+    def save(self, directory, reference=None):
+        os.makedirs(directory)
+
+    def save_reference(self, directory):
         os.makedirs(directory)
 
     def shard_sizes(self):
