@@ -447,11 +447,13 @@ class Learner:
 
     def _save_adapter(self, name: str, directory: Path, mkdir: bool = True) -> None:
         from shared.fileio import save_tensors, write_json
+        from shared.injection import INJECTION_RECORD, injection_record
 
         if mkdir:
             directory.mkdir()
         save_tensors(directory / ADAPTER_FILE, self.policy.adapter_parameters(name))
         write_json(directory / ADAPTER_CONFIG, self._peft_config(name))
+        write_json(directory / INJECTION_RECORD, injection_record(self.cfg))  # what the adapter expects to read
 
     def _load_adapter(self, name: str, path: Path) -> None:
         from shared.fileio import load_tensors

@@ -110,6 +110,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
                             f"decoder blocks), found {cfg.injection.karvonen_layer}")
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)
+    else:
+        from shared.injection import check_adapter_injection
+
+        check_adapter_injection(cfg.learner.adapter_init, cfg, log)
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:

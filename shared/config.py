@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -100,6 +100,9 @@ class RolloutConfig(_Section):
     """Adapters an engine keeps registered; older versions are retired."""
     sleep_during_update: bool = False
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates."""
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
+    ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
 
 
 class CriticConfig(_Section):

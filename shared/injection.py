@@ -115,3 +115,41 @@ class KarvonenHook:
             raise RuntimeError(f"karvonen hook armed for {self.sites.shape[0]} rows, forward has {hidden.shape[0]}")
         new = karvonen_apply(hidden, self.sites, self.vectors)
         return (new, *output[1:]) if isinstance(output, tuple) else new
+
+
+# ---- the injection an adapter was trained with -------------------------------------------------
+INJECTION_RECORD = "nla_injection.json"
+
+
+def injection_record(cfg) -> dict:
+    """What an adapter's behaviour depends on: the mode, and its layer (karvonen) or scale (embed)."""
+    inj = cfg.injection
+    return {"mode": inj.mode, "layer": inj.karvonen_layer if inj.mode == "karvonen" else None,
+            "scale": inj.scale if inj.mode == "embed" else None}
+
+
+def check_adapter_injection(adapter_dir, cfg, log=print) -> None:
+    """A PEFT directory whose recorded injection differs from the run's is refused in one line; one
+    without the record (the reference trainer's) is taken with a warning naming the assumed injection."""
+    import json
+    from pathlib import Path
+
+    from shared.errors import NlaInputError
+
+    path = Path(adapter_dir) / INJECTION_RECORD
+    want = injection_record(cfg)
+    if not path.is_file():
+        log(f"[warning] {adapter_dir}: no {INJECTION_RECORD}; assuming it was trained with this run's injection "
+            f"(mode {want['mode']}" + (f", layer {want['layer']})" if want["mode"] == "karvonen" else f", scale {want['scale']})"))
+        return
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise NlaInputError(path, "not valid JSON") from None
+    if not isinstance(got, dict):
+        raise NlaInputError(path, "expected a JSON object")
+    for key in ("mode", "layer", "scale"):
+        if got.get(key) != want[key]:
+            field = {"mode": "injection.mode", "layer": "injection.karvonen_layer", "scale": "injection.scale"}[key]
+            raise NlaInputError(path, f"{key}: the adapter was trained with {got.get(key)!r}, this run has {field} "
+                                      f"{want[key]!r}")

@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
 def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypatch):
     """memory: engine in this process, GPU tensors straight into the worker; memory-bytes: a separate
     engine-core process, safetensors bytes; file: an adapter directory; memory-karvonen: karvonen
-    injection (bf16 sentinels and worker hooks) instead of embed."""
+    injection (the injecting model class, compiled with CUDA graphs and LoRA; chunked prefill with the
+    marker in a later chunk; prefix caching on) instead of embed."""
     pytest.importorskip("vllm")
     if transport == "memory-bytes":
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
@@ -34,8 +35,10 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    compiled = {"enforce_eager": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
+                "enable_prefix_caching": True} if injection else {"enforce_eager": True}
     base = tiny_config(tiny_dir, injection, "file" if transport == "file" else "auto", group_size=4, max_new_tokens=24,
-                       gpu_memory_utilization=0.2, enforce_eager=True)
+                       gpu_memory_utilization=0.2, max_num_seqs=32, engine_options=compiled)
     raw = base.model_dump(mode="python")
     raw["model"]["dtype"] = "bfloat16"
     raw["learner"].update(lr=5e-2, optimizer="adamw")

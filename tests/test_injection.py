@@ -72,3 +72,29 @@ def test_injection_vector_is_fp32_and_scaled():
     v = torch.randn(8, dtype=torch.bfloat16)
     out = injection_vector(v, 2.0)
     assert out.dtype == torch.float32 and abs(out.norm().item() - 2.0) < 1e-5
+
+
+def test_an_adapter_trained_with_another_injection_is_refused_before_any_actor(tiny_dir, tmp_path):
+    import json
+
+    from orchestrator.job import prepare_job
+    from shared.config import build_config
+    from shared.errors import NlaInputError
+    from shared.injection import INJECTION_RECORD, check_adapter_injection, injection_record
+
+    def cfg(**injection):
+        return build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+                             "injection": injection, "learner": {"adapter_init": str(tmp_path)}}, "t")
+
+    karvonen = cfg(mode="karvonen", karvonen_layer=1)
+    (tmp_path / INJECTION_RECORD).write_text(json.dumps(injection_record(karvonen)))
+    check_adapter_injection(tmp_path, karvonen)  # the same injection: accepted
+    for other, field in ((cfg(mode="karvonen", karvonen_layer=0), "layer: the adapter was trained with 1, this run has "
+                          "injection.karvonen_layer 0"), (cfg(), "mode: the adapter was trained with 'karvonen', this run "
+                          "has injection.mode 'embed'")):
+        with pytest.raises(NlaInputError, match=field):
+            prepare_job(other, log=lambda m: None)  # before the data is read, before any actor
+    (tmp_path / INJECTION_RECORD).unlink()  # the reference trainer's adapters carry no record
+    seen = []
+    check_adapter_injection(tmp_path, karvonen, log=seen.append)
+    assert seen and "no nla_injection.json; assuming it was trained with this run's injection (mode karvonen, layer 1)" in seen[0]

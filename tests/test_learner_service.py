@@ -128,6 +128,9 @@ def test_reference_adapter_is_bit_identical_after_updates_and_resume(tiny_dir, r
     by_ref = tmp_path / "run" / "checkpoints" / "ckpt"
     assert not (by_ref / "reference").exists() and (by_ref / "reference.json").is_file()
     assert (tmp_path / "ckpt" / "reference").is_dir()
+    # every adapter the learner writes records the injection it was trained with
+    for d in (tmp_path / "ckpt" / "policy", tmp_path / "ckpt" / "reference", frozen):
+        assert json.loads((d / "nla_injection.json").read_text()) == {"mode": "embed", "layer": None, "scale": None}
     for ckpt in (tmp_path / "ckpt", by_ref):
         fresh = _learner(tiny_dir, lr=1e-2)
         fresh.load(ckpt)

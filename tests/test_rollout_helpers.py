@@ -122,7 +122,10 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     assert all(torch.equal(got[k], update.tensors[k]) for k in got)
 
 
-def test_vllm_rank_and_karvonen_runs_eager(tiny_dir):
+def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
+    import json
+    import shutil
+
     from rollout.vllm_engine import engine_kwargs, max_lora_rank_for
     from shared.config import build_config
 
@@ -130,7 +133,22 @@ def test_vllm_rank_and_karvonen_runs_eager(tiny_dir):
     with pytest.raises(NlaInputError, match="lora_r"):
         max_lora_rank_for(1024)
     model = {"path": str(tiny_dir / "model")}
-    # the karvonen hooks are Python: no torch.compile and no CUDA graphs on the GPU, whatever the config says
-    for mode, eager in (("embed", False), ("karvonen", True)):
-        cfg = build_config({"model": model, "injection": {"mode": mode}, "rollout": {"enforce_eager": False}})
-        assert engine_kwargs(cfg, "cuda", torch.bfloat16)["enforce_eager"] is eager
+    # karvonen runs compiled too (the injection is in the model class's forward), selected by hf_overrides
+    for mode in ("embed", "karvonen"):
+        cfg = build_config({"model": model, "injection": {"mode": mode, "karvonen_layer": 1}, "rollout": {"enforce_eager": False}})
+        kw = engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7)
+        assert kw["enforce_eager"] is False
+        assert kw.get("hf_overrides") == (None if mode == "embed" else {
+            "architectures": ["NlaKarvonenQwen3ForCausalLM"], "nla_karvonen_layer": 1, "nla_marker_id": 7})
+    # rollout.engine_options come last and win
+    cfg = build_config({"model": model, "rollout": {"engine_options": {"enforce_eager": True, "max_num_batched_tokens": 64}}})
+    kw = engine_kwargs(cfg, "cuda", torch.bfloat16)
+    assert kw["enforce_eager"] is True and kw["max_num_batched_tokens"] == 64
+    # an architecture without an injecting class is one line naming the model's config
+    other = tmp_path / "model"
+    shutil.copytree(tiny_dir / "model", other)
+    raw = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**raw, "architectures": ["MistralForCausalLM"]}))
+    cfg = build_config({"model": {"path": str(other)}, "injection": {"mode": "karvonen"}})
+    with pytest.raises(NlaInputError, match=r"config.json: injection.mode karvonen on vLLM: expected a model of Qwen3ForCausalLM"):
+        engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7)
