@@ -9,14 +9,22 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from vllm import ModelRegistry
+    """Never raises: vLLM does not catch a plugin's error, so one here would stop every engine in this
+    environment, other projects' too. Without the classes a karvonen engine says so in one line."""
+    try:
+        from vllm import ModelRegistry
 
-    from rollout.vllm_karvonen import ARCHITECTURES, PREFIX
+        from rollout.vllm_karvonen import ARCHITECTURES, PREFIX
 
-    known = set(ModelRegistry.get_supported_archs())
-    for arch in ARCHITECTURES:
-        if PREFIX + arch not in known:
-            ModelRegistry.register_model(PREFIX + arch, f"rollout.vllm_karvonen:{PREFIX + arch}")
+        known = set(ModelRegistry.get_supported_archs())
+        for arch in ARCHITECTURES:
+            if PREFIX + arch not in known:
+                ModelRegistry.register_model(PREFIX + arch, f"rollout.vllm_karvonen:{PREFIX + arch}")
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        import logging
+
+        logging.getLogger(__name__).warning("nla-grpo: the karvonen model classes are not registered (%s: %s)",
+                                            type(exc).__name__, exc)
 
 
 def registered() -> bool:

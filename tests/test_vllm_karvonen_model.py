@@ -75,3 +75,16 @@ def test_overrides_select_the_injecting_class_and_refuse_other_architectures():
                                                        "nla_karvonen_layer": 1, "nla_marker_id": 42}
     with pytest.raises(ValueError, match="expected a model of Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM"):
         hf_overrides("MistralForCausalLM", 1, 42)
+
+
+def test_the_plugin_is_installed_and_never_raises(monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    import sys
+
+    from rollout.vllm_plugin import register, registered
+
+    assert registered()  # the package's entry point is what vLLM loads in each of its processes
+    monkeypatch.setitem(sys.modules, "rollout.vllm_karvonen", None)  # importing it now fails
+    with caplog.at_level("WARNING"):
+        register()  # an error here would stop every vLLM engine in the environment
+    assert "karvonen model classes are not registered (ModuleNotFoundError" in caplog.text
