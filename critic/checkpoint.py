@@ -41,12 +41,15 @@ class CriticMeta:
     target_modules: list[str] = field(default_factory=list)
     base_model: str = ""
     dtype: str = "float32"
+    quantization: str = "none"  # the backbone's (shared.quantization): a LoRA trained on NF4 compensates its rounding
+    final_norm: bool = False  # the base's final RMSNorm kept after the last block (older reference-trainer ARs)
     format: str = FORMAT
     version: int = FORMAT_VERSION
 
 
 _META_TYPES = {"num_layers": int, "d_model": int, "lora_r": int, "lora_alpha": int, "use_rslora": bool,
-               "target_modules": list, "base_model": str, "dtype": str, "format": str, "version": int}
+               "target_modules": list, "base_model": str, "dtype": str, "quantization": str, "final_norm": bool,
+               "format": str, "version": int}
 
 
 def read_meta(ckpt_dir: str | Path) -> CriticMeta:
@@ -74,6 +77,8 @@ def read_meta(ckpt_dir: str | Path) -> CriticMeta:
         raise NlaInputError(p, f"format: expected {FORMAT} v{FORMAT_VERSION}, found {meta.format} v{meta.version}")
     if meta.num_layers < 1 or meta.d_model < 1 or meta.lora_r < 0:
         raise NlaInputError(p, "num_layers, d_model: expected >= 1; lora_r: expected >= 0")
+    if meta.quantization not in ("none", "nf4"):
+        raise NlaInputError(p, f"quantization: expected none or nf4, found {meta.quantization!r}")
     if meta.lora_r > 0 and not meta.target_modules:
         raise NlaInputError(p, "target_modules: expected the LoRA's modules when lora_r > 0")
     return meta

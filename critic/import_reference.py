@@ -9,8 +9,9 @@ The reference trainer keeps its AR as ``ar_meta.json`` (``ar_num_layers``, ``lor
 
 ``import_reference_ar`` maps every tensor onto the critic built from the meta (on the meta device:
 no base weights are read), checks names and shapes strictly, and writes a checkpoint directory that
-``critic.checkpoint`` accepts. Settings this critic cannot reproduce (a 4-bit backbone, a kept final
-norm) stop with one line instead of a silently different reward model.
+``critic.checkpoint`` accepts. The backbone's quantisation (``quant: 4bit`` = NF4: the LoRA compensates
+its rounding) and a kept final norm (``final_norm_stripped`` false or absent, as the reference trainer
+reads it) are recorded in the meta; a run whose ``model.quantization`` differs is refused.
 """
 from __future__ import annotations
 
@@ -38,13 +39,13 @@ def _read_reference_meta(path: Path) -> dict:
     targets = [targets] if isinstance(targets, str) else targets
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise NlaInputError(path, f"target_modules: expected a list of module names, found {raw.get('target_modules')!r}")
-    if raw.get("quant") == "4bit":
-        raise NlaInputError(path, "quant: 4bit: this LoRA was trained on an NF4 backbone and compensates its rounding; "
-                                  "this critic runs the base in bf16/fp32, so its rewards would silently differ")
-    if raw.get("final_norm_stripped", False) is not True:
-        raise NlaInputError(path, "final_norm_stripped: expected true; this AR was trained with the final RMSNorm kept, "
-                                  "and this critic reads the residual stream without it")
-    return {**raw, "target_modules": targets}
+    quant = raw.get("quant", "none")
+    if quant not in (None, "none", "bf16", "4bit"):
+        raise NlaInputError(path, f"quant: expected 4bit or none, found {quant!r}")
+    stripped = raw.get("final_norm_stripped", False)  # the reference trainer's default when absent: kept
+    if not isinstance(stripped, bool):
+        raise NlaInputError(path, f"final_norm_stripped: expected true or false, found {stripped!r}")
+    return {**raw, "target_modules": targets, "quantization": "nf4" if quant == "4bit" else "none", "final_norm": not stripped}
 
 
 def _our_name(key: str) -> str | None:
@@ -101,7 +102,8 @@ def import_reference_ar(ar_dir: str | Path, out_dir: str | Path, model_dir: str 
 
     result = CriticMeta(num_layers=meta["ar_num_layers"], d_model=shapes["value_head.bias"][0], lora_r=meta["lora_r"],
                         lora_alpha=meta["lora_alpha"], use_rslora=True, target_modules=list(meta["target_modules"]),
-                        base_model=str(model_dir), dtype="float32")
+                        base_model=str(model_dir), dtype="float32", quantization=meta["quantization"],
+                        final_norm=meta["final_norm"])
     with atomic_directory(out_dir) as tmp:
         save_tensors(tmp / WEIGHTS_NAME, ours)
         write_json(tmp / META_NAME, asdict(result))

@@ -34,8 +34,11 @@ def _truncated_config(config, num_layers: int):
     return config
 
 
-def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
-    """The base model's embeddings and first ``num_layers`` blocks, final norm replaced by identity.
+def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torch.dtype, device: str = "cpu",
+                            quantization: str = "none", final_norm: bool = False) -> nn.Module:
+    """The base model's embeddings and first ``num_layers`` blocks, final norm replaced by identity
+    (or kept, ``final_norm``: ARs the reference trainer saved before it stripped the norm), the blocks
+    quantised as ``shared.quantization`` says.
 
     The weights of later blocks and of lm_head are never materialised: the model is built from a
     truncated config and only the keys it declares are read from the checkpoint.
@@ -51,6 +54,11 @@ def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torc
     kwargs = {"config": config, "dtype": dtype, "output_loading_info": True}
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = {"": device}
+    if quantization != "none":
+        from shared.quantization import hf_quantization, require_gpu
+
+        require_gpu(quantization, device)
+        kwargs["quantization_config"] = hf_quantization(quantization, dtype)
     # the later blocks show up as "unexpected" keys by design; the load report would only be noise
     log = transformers.utils.logging
     verbosity, bar = log.get_verbosity(), log.is_progress_bar_enabled()
@@ -62,20 +70,23 @@ def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torc
         log.set_verbosity(verbosity)
         if bar:
             log.enable_progress_bar()
-    missing = [k for k in info.get("missing_keys", []) if not k.startswith("norm.")]
+    missing = [k for k in info.get("missing_keys", []) if final_norm or not k.startswith("norm.")]
     if missing:
         # a missing key would otherwise stay randomly initialised
         raise NlaInputError(model_path, f"base weights lack {sorted(missing)[0]!r} ({len(missing)} missing)")
-    backbone.norm = nn.Identity()
-    return backbone.to(device).eval()
+    if not final_norm:
+        backbone.norm = nn.Identity()
+    # a quantised model sits where device_map put it (bitsandbytes refuses .to)
+    return (backbone if quantization != "none" else backbone.to(device)).eval()
 
 
 class CriticModel(nn.Module):
     """Truncated backbone + fp32 ``Linear(d, d)`` value head (identity at init)."""
 
-    def __init__(self, backbone: nn.Module, d_model: int, mse_scale: float | None):
+    def __init__(self, backbone: nn.Module, d_model: int, mse_scale: float | None, quantized: bool = False):
         super().__init__()
         self.backbone = backbone
+        self.quantized = quantized  # an NF4 backbone is never trained: without LoRA only the head is
         self.d_model = d_model
         self.mse_scale = mse_scale
         device = next(backbone.parameters()).device
@@ -87,12 +98,13 @@ class CriticModel(nn.Module):
 
     @classmethod
     def from_base(cls, model_path: str | Path, num_layers: int, dtype: torch.dtype, mse_scale: float | None,
-                  d_model: int | None = None, device: str = "cpu") -> "CriticModel":
-        backbone = load_truncated_backbone(model_path, num_layers, dtype, device)
+                  d_model: int | None = None, device: str = "cpu", quantization: str = "none",
+                  final_norm: bool = False) -> "CriticModel":
+        backbone = load_truncated_backbone(model_path, num_layers, dtype, device, quantization, final_norm)
         hidden = int(backbone.config.hidden_size)
         if d_model is not None and d_model != hidden:
             raise NlaInputError(model_path, f"hidden_size {hidden} does not match the sidecar's d_model {d_model}")
-        return cls(backbone, hidden, mse_scale)
+        return cls(backbone, hidden, mse_scale, quantized=quantization != "none")
 
     @property
     def num_layers(self) -> int:
@@ -115,7 +127,7 @@ class CriticModel(nn.Module):
         """LoRA tensors + value head with LoRA; every backbone tensor + value head without."""
         names = [n for n, _ in self.named_parameters()]
         if self.lora is None:
-            return names
+            return [n for n in names if n.startswith("value_head.")] if self.quantized else names
         return [n for n in names if "lora_" in n or n.startswith("value_head.")]
 
     def mark_trainable(self) -> list[nn.Parameter]:

@@ -39,7 +39,7 @@ from shared.schema import normalized_mse
 
 # fields that fix the critic's structure: a checkpoint must agree on all of them (its LoRA's
 # target_modules have no config field: the checkpoint's own are used)
-_STRUCTURE = ("num_layers", "d_model", "lora_r", "lora_alpha", "use_rslora")
+_STRUCTURE = ("num_layers", "d_model", "lora_r", "lora_alpha", "use_rslora", "quantization", "final_norm")
 
 
 def _chunks(items: list, size: int):
@@ -72,7 +72,8 @@ class Critic:
         self.dtype = resolve_dtype(cfg.model.dtype, device)
         self.meta = self._architecture()
         self.model = CriticModel.from_base(cfg.model.path, self.meta.num_layers, self.dtype, self.mse_scale,
-                                           d_model=spec.d_model, device=device)
+                                           d_model=spec.d_model, device=device, quantization=self.meta.quantization,
+                                           final_norm=self.meta.final_norm)
         if self.meta.lora_r > 0:
             self.model.add_lora(self.meta.lora_r, self.meta.lora_alpha, self.meta.target_modules, self.meta.use_rslora)
         self.model.eval()  # no dropout in training either: scores and updates see the same function
@@ -93,14 +94,15 @@ class Critic:
             target_modules=list(LINEAR_MODULES) if c.lora_r > 0 else [],
             base_model=str(self.cfg.model.path),
             dtype=_dtype_name(self.dtype),
+            quantization=self.cfg.model.quantization,
         )
         if c.checkpoint:
             saved = read_meta(c.checkpoint)
-            # an AR checkpoint's own depth is used unless the config pins one
-            self._check_same_structure(saved, meta, Path(c.checkpoint) / META_NAME,
+            # an AR checkpoint's own depth is used unless the config pins one; its final norm (no config field) always
+            self._check_same_structure(saved, replace(meta, final_norm=saved.final_norm), Path(c.checkpoint) / META_NAME,
                                        explicit_layers=c.num_layers is not None)
             # the LoRA's modules are the checkpoint's (an imported AR may carry fewer than all seven)
-            meta = replace(meta, num_layers=saved.num_layers,
+            meta = replace(meta, num_layers=saved.num_layers, final_norm=saved.final_norm,
                            target_modules=list(saved.target_modules) if saved.lora_r > 0 else meta.target_modules)
         return meta
 
@@ -113,7 +115,8 @@ class Critic:
                 continue
             a, b = getattr(saved, key), getattr(want, key)
             if a != b:
-                hint = f" (set critic.{key} to match)" if key in ("num_layers", "lora_r", "lora_alpha") else ""
+                hint = (f" (set critic.{key} to match)" if key in ("num_layers", "lora_r", "lora_alpha")
+                        else " (set model.quantization to match)" if key == "quantization" else "")
                 raise NlaInputError(where, f"{key}: the checkpoint has {a!r} but this critic is configured with {b!r}{hint}")
 
     # ---- inputs ----------------------------------------------------------------------------
@@ -194,7 +197,7 @@ class Critic:
         if self.optimizer is None:
             from shared.torch_utils import make_adamw
 
-            self.optimizer = make_adamw(self.trainable, self.cfg.critic.lr)
+            self.optimizer = make_adamw(self.trainable, self.cfg.critic.lr, self.cfg.critic.optimizer)
         return self.optimizer
 
     def train_step(self, explanations: list[str | None], activations) -> dict:

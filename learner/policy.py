@@ -92,7 +92,7 @@ def _fresh_lora_config(cfg):
 
 
 def load_base_model(cfg, device):
-    """The frozen base LLM in the configured dtype (4-bit NF4 through bitsandbytes on request, GPU only)."""
+    """The frozen base LLM in the configured dtype (NF4 through ``shared.quantization`` on request, GPU only)."""
     from transformers import AutoModelForCausalLM
 
     from shared.torch_utils import resolve_dtype
@@ -104,21 +104,18 @@ def load_base_model(cfg, device):
         # packed rows need a 4-D mask; on the CPU eager attention rounds a sample's scores the same
         # wherever its response sits in the row (sdpa's blocked kernel does not quite)
         kwargs["attn_implementation"] = "eager"
-    if cfg.model.load_in_4bit:
-        if torch.device(device).type != "cuda":
-            raise ValueError(f"model.load_in_4bit: expected a CUDA device, found {device!r}")
-        from transformers import BitsAndBytesConfig
+    quantized = cfg.model.quantization != "none"
+    if quantized:
+        from shared.quantization import hf_quantization, require_gpu
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
-            bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=dtype,
-        )
+        require_gpu(cfg.model.quantization, device)
+        kwargs["quantization_config"] = hf_quantization(cfg.model.quantization, dtype)
         kwargs["device_map"] = {"": torch.device(device)}
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     model.config.use_cache = False
     # non-reentrant checkpointing needs no input that requires grad (the embeddings are frozen)
     gc_kwargs = {"use_reentrant": False}
-    if cfg.model.load_in_4bit:
+    if quantized:
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs)

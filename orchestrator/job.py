@@ -74,6 +74,9 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where) -> None:
 
     saved = state.get("config")
     if saved is not None:
+        from shared.config import upgrade_saved_config
+
+        saved = upgrade_saved_config(saved)  # written by an older version: compared as it would read now
         now, then = flat(cfg.model_dump(mode="json")), flat(saved)
         for key in sorted(set(now) | set(then)):
             if not key.startswith(RESUME_MAY_CHANGE) and now.get(key) != then.get(key):

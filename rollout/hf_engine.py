@@ -34,7 +34,16 @@ class HfEngine(RolloutEngine):
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         path = model_dir(cfg)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(cfg.model.dtype, device)).to(self.device).eval()
+        dtype = resolve_dtype(cfg.model.dtype, device)
+        if cfg.model.quantization == "none":
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
+        else:  # the learner's NF4 base (shared.quantization), where device_map puts it
+            from shared.quantization import hf_quantization, require_gpu
+
+            require_gpu(cfg.model.quantization, device)
+            self.model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, quantization_config=hf_quantization(cfg.model.quantization, dtype),
+                device_map={"": self.device}).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)

@@ -78,6 +78,9 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None) -> dict
     )
     if cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
+    from shared.quantization import vllm_options
+
+    kwargs.update(vllm_options(cfg.model.quantization))  # the learner's base, quantised in flight alike
     if device == "cpu":
         # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.
         # Chunked prefill off: when a step ends inside a seeded request's prefill, the runner rewinds

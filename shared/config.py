@@ -7,6 +7,7 @@ field. ``dump_config`` writes the resolved config that each run directory keeps.
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -27,8 +28,24 @@ class ModelConfig(_Section):
     """Directory of the subject LLM (HF weights, config, tokenizer with chat template)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Compute dtype everywhere; auto = bfloat16 on GPU, float32 on CPU."""
-    load_in_4bit: bool = False
-    """Learner base in 4-bit NF4 through bitsandbytes (GPU only)."""
+    quantization: Literal["none", "nf4"] = "none"
+    """Base weights of every service: nf4 = bitsandbytes NF4, double quant, compute in model.dtype (the reference
+    trainer's --quant 4bit; GPU only). The learner, the critic backbone, HF rollouts and vLLM (in flight) alike."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _load_in_4bit(cls, raw):
+        # the older key, still read: it meant the same NF4 base (then for the learner alone)
+        if isinstance(raw, dict) and "load_in_4bit" in raw:
+            raw = dict(raw)
+            old = raw.pop("load_in_4bit")
+            if not isinstance(old, bool):
+                raise ValueError(f"load_in_4bit: expected true or false, found {old!r}")
+            if old and raw.get("quantization", "nf4") != "nf4":
+                raise ValueError(f"load_in_4bit: true contradicts quantization: {raw['quantization']}")
+            raw.setdefault("quantization", "nf4" if old else "none")
+            warnings.warn("model.load_in_4bit is deprecated: use model.quantization: nf4 (or none)", FutureWarning, stacklevel=2)
+        return raw
 
 
 class DataConfig(_Section):
@@ -115,6 +132,8 @@ class CriticConfig(_Section):
     """Co-train the critic on each step's valid explanations."""
     lr: float = Field(1e-5, gt=0.0, le=1.0)
     """Critic learning rate."""
+    optimizer: Literal["auto", "adamw", "adamw8bit"] = "auto"
+    """As learner.optimizer: auto = 8-bit AdamW where bitsandbytes imports on CUDA, torch AdamW otherwise."""
     lora_r: int = Field(0, ge=0, le=4096)
     """LoRA rank on the critic backbone; 0 = full fine-tuning when trained."""
     lora_alpha: int = Field(16, ge=1, le=65536)
@@ -321,9 +340,20 @@ def combination_problem(cfg: RunConfig) -> str | None:
     """The first rule ``cfg`` breaks across fields, as one line naming the fields; None when it breaks none."""
     p, r = cfg.placement, cfg.rollout
     on_gpu = p.mode != "cpu"
-    if cfg.model.load_in_4bit and r.backend == "vllm":
-        return ("model.load_in_4bit: the learner would score NF4 weights while vLLM samples the bf16 ones (a systematic "
-                "policy mismatch); use it with rollout.backend=hf only")
+    if cfg.model.quantization != "none":
+        q = f"model.quantization={cfg.model.quantization}"
+        if not on_gpu:
+            return f"{q}: bitsandbytes NF4 needs CUDA GPUs; placement.mode=cpu runs an unquantised base (quantization: none)"
+        if cfg.model.dtype == "float32":
+            return (f"{q} with model.dtype=float32: NF4 computes in the model dtype, and vLLM's in-flight NF4 in bfloat16 "
+                    "would then differ from the learner's base; use bfloat16")
+        if cfg.critic.train and cfg.critic.lora_r == 0:
+            return f"{q} with critic.train and critic.lora_r=0: NF4 weights cannot be trained; give the critic a LoRA"
+    # the engines' base must be the learner's: these options are derived from model.* alone
+    owned = sorted({"quantization", "hf_overrides", "dtype", "model"} & set(r.engine_options))
+    if owned:
+        return (f"rollout.engine_options: {', '.join(owned)} must come from the model section (model.quantization, "
+                "model.dtype, model.path), so that every service runs the same base")
     if r.backend == "vllm" and on_gpu and cfg.model.dtype == "float32":
         return ("model.dtype=float32 with the vLLM rollout on GPUs: vLLM's GPU LoRA kernels take only bfloat16 / float16 "
                 "(an assertion inside the first generate); use bfloat16")
@@ -484,9 +514,13 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> dict[str
 def upgrade_saved_config(raw: dict) -> dict:
     """A run directory's config.yaml from an older version, made current so the run resumes as it ran:
     no ``learner.forward`` = the padded update; ``rollout.weight_transport`` / ``placement.adapter_route``
-    = the ``weight_sync`` variant they chose."""
+    = the ``weight_sync`` variant they chose; ``model.load_in_4bit`` = ``model.quantization``."""
     raw = _deep_copy(raw)
     learner, rollout, placement = (raw.get(k) if isinstance(raw.get(k), dict) else None for k in ("learner", "rollout", "placement"))
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else None
+    if model is not None and "load_in_4bit" in model:
+        old = model.pop("load_in_4bit")
+        model.setdefault("quantization", "nf4" if old is True else "none")
     if learner is not None and "forward" not in learner:
         learner["forward"] = "padded"
     transport = rollout.pop("weight_transport", None) if rollout is not None else None

@@ -98,11 +98,17 @@ def test_bad_override_and_files(tmp_path):
 
 
 @pytest.mark.parametrize("raw,needle", [
-    ({"model": {"load_in_4bit": True}}, "model.load_in_4bit"),
+    ({"model": {"quantization": "nf4"}}, "model.quantization=nf4: bitsandbytes NF4 needs CUDA GPUs"),
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
     ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout"),
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 2}}, "rollout.num_engines=1"),
+    ({"placement": {"mode": "colocated"}, "model": {"quantization": "nf4", "dtype": "float32"}, "rollout": {"backend": "hf"}},
+     "model.quantization=nf4 with model.dtype=float32"),
+    ({"placement": {"mode": "colocated"}, "model": {"quantization": "nf4"}, "critic": {"train": True, "lora_r": 0, "checkpoint": "x"}},
+     "NF4 weights cannot be trained; give the critic a LoRA"),
+    ({"rollout": {"engine_options": {"quantization": "fp8", "max_num_batched_tokens": 64}}},
+     "rollout.engine_options: quantization must come from the model section"),
 ])
 def test_rules_across_fields_are_refused_by_the_schema_itself(raw, needle):
     # no model, data or tokenizer behind these paths: the schema alone refuses what training would
@@ -115,3 +121,25 @@ def test_learner_gpus_zero_is_only_wrong_where_it_is_used():
     assert build_config({"placement": {"mode": "cpu", "learner_gpus": 0}}, "c").placement.learner_gpus == 0
     with pytest.raises(NlaInputError, match="placement.learner_gpus: expected 1"):
         build_config({"placement": {"mode": "cpu", "learner_gpus": 2}}, "c")
+
+
+def test_quantization_one_field_for_every_service_and_the_older_key_still_reads():
+    from shared.config import upgrade_saved_config
+    from shared.quantization import vllm_options
+
+    gpu = {"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}}
+    cfg = build_config({**gpu, "model": {"quantization": "nf4"}}, "c")
+    assert cfg.model.quantization == "nf4" and vllm_options(cfg.model.quantization) == {"quantization": "bitsandbytes"}
+    assert vllm_options(build_config({}, "c").model.quantization) == {}
+    with pytest.warns(FutureWarning, match="model.load_in_4bit is deprecated: use model.quantization"):
+        assert build_config({**gpu, "model": {"load_in_4bit": True}}, "c").model.quantization == "nf4"
+    with pytest.warns(FutureWarning):
+        assert build_config({"model": {"load_in_4bit": False}}, "c").model.quantization == "none"
+    with pytest.raises(NlaInputError, match="load_in_4bit: true contradicts quantization: none"):
+        build_config({**gpu, "model": {"load_in_4bit": True, "quantization": "none"}}, "c")
+    # a run directory saved with the older key resumes as it ran, without the warning
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved = upgrade_saved_config({"model": {"load_in_4bit": False, "path": "m"}})
+        assert build_config(saved, "c").model.quantization == "none"

@@ -18,7 +18,7 @@ class ReferenceShapedAR(torch.nn.Module):
     """Built the reference trainer's way: a causal LM cut to K+1 blocks (final norm dropped), LoRA
     injected into it, a bias-free value head on the normalised last-token state."""
 
-    def __init__(self, model_dir, blocks, r, alpha):
+    def __init__(self, model_dir, blocks, r, alpha, keep_norm=False):
         super().__init__()
         from peft import LoraConfig, inject_adapter_in_model
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -26,7 +26,8 @@ class ReferenceShapedAR(torch.nn.Module):
         config = AutoConfig.from_pretrained(model_dir)
         config.num_hidden_layers = blocks
         self.backbone = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32)
-        self.backbone.model.norm = torch.nn.Identity()
+        if not keep_norm:
+            self.backbone.model.norm = torch.nn.Identity()
         d = config.hidden_size
         self.value_head = torch.nn.Linear(d, d, bias=False)
         inject_adapter_in_model(LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, bias="none", use_rslora=True,
@@ -42,9 +43,25 @@ class ReferenceShapedAR(torch.nn.Module):
         return self.value_head(normalize_activation(h, mse_scale))
 
 
-def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None):
+def _model_with_a_final_norm(tiny_dir, tmp_path):
+    """The tiny model with a final RMSNorm weight that is not all ones (else the norm only rescales,
+    which the critic's normalisation undoes, and kept or stripped would predict alike)."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model"
+    shutil.copytree(tiny_dir / "model", out)
+    sd = load_file(str(out / "model.safetensors"))
+    sd["model.norm.weight"] = torch.linspace(0.2, 2.0, sd["model.norm.weight"].numel())
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None, model_dir=None):
     blocks, r, alpha = 1, 4, 8
-    ref = ReferenceShapedAR(tiny_dir / "model", blocks, r, alpha)
+    keep_norm = (meta_overrides or {}).get("final_norm_stripped") is False
+    ref = ReferenceShapedAR(model_dir or tiny_dir / "model", blocks, r, alpha, keep_norm=keep_norm)
     d = tmp_path / "ar_ref"
     d.mkdir()
     sd = {n: p.detach().contiguous() for n, p in ref.state_dict().items() if "lora_" in n or n.startswith("value_head")}
@@ -55,16 +72,19 @@ def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None):
     return ref, d
 
 
-def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
+@pytest.mark.parametrize("norm", ["stripped", "kept"])
+def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path, norm):
+    """Also an AR saved with the final norm kept, which the reference trainer still loads as such."""
     from critic.scoring import Critic
 
-    ref, ar = _write_reference(tmp_path, tiny_dir)
+    model = _model_with_a_final_norm(tiny_dir, tmp_path)
+    ref, ar = _write_reference(tmp_path, tiny_dir, {"final_norm_stripped": norm == "stripped"}, model_dir=model)
     out = tmp_path / "critic"
-    res = run_cli("critic", "import-reference", ar, out, "--model", tiny_dir / "model")
+    res = run_cli("critic", "import-reference", ar, out, "--model", model)
     assert res.returncode == 0, res.stderr
     assert "critic.lora_r=4" in res.stdout and not (tmp_path / "critic.importing").exists()
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
-    cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
+    cfg = build_config({"model": {"path": str(model), "dtype": "float32"},
                         "critic": {"checkpoint": str(out), "lora_r": 4, "lora_alpha": 8}})
     service = Critic(cfg, spec)
     assert len(service.model.backbone.layers) == 1
@@ -74,6 +94,12 @@ def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
         ours = service.model(x, torch.ones_like(x))
         theirs = ref.predict(x, spec.mse_scale)
     assert torch.allclose(ours, theirs, atol=1e-5), (ours - theirs).abs().max()
+    assert json.loads((out / "critic_meta.json").read_text())["final_norm"] is (norm == "kept")
+    # the norm matters: the other choice predicts something else
+    other = ReferenceShapedAR(model, 1, 4, 8, keep_norm=norm == "stripped")
+    other.load_state_dict(ref.state_dict(), strict=False)
+    with torch.no_grad():
+        assert not torch.allclose(other.predict(x, spec.mse_scale), theirs, atol=1e-3)
     # the LoRA matters: without it the prediction is another one
     with torch.no_grad():
         for n, p in service.model.named_parameters():
@@ -82,9 +108,23 @@ def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path):
         assert not torch.allclose(service.model(x, torch.ones_like(x)), theirs, atol=1e-3)
 
 
+def test_a_4bit_ar_imports_and_loads_only_into_an_nf4_critic(tiny_dir, tmp_path):
+    from critic.import_reference import import_reference_ar
+    from critic.scoring import Critic
+    from shared.errors import NlaInputError
+
+    _, ar = _write_reference(tmp_path, tiny_dir, {"quant": "4bit"})
+    assert import_reference_ar(ar, tmp_path / "critic", tiny_dir / "model").quantization == "nf4"
+    cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
+                        "critic": {"checkpoint": str(tmp_path / "critic"), "lora_r": 4, "lora_alpha": 8}})
+    with pytest.raises(NlaInputError, match=r"critic_meta.json: quantization: the checkpoint has 'nf4' but this critic is "
+                                            r"configured with 'none' \(set model.quantization to match\)"):
+        Critic(cfg, load_spec(tiny_dir / "rl.parquet.nla_meta.yaml"))
+
+
 @pytest.mark.parametrize("meta,extra,needle", [
-    ({"quant": "4bit"}, None, "quant: 4bit"),
-    ({"final_norm_stripped": False}, None, "final_norm_stripped: expected true"),
+    ({"quant": "8bit"}, None, "quant: expected 4bit or none, found '8bit'"),
+    ({"final_norm_stripped": "yes"}, None, "final_norm_stripped: expected true or false"),
     ({"lora_r": 8}, None, "expected shape"),
     ({"ar_num_layers": 9}, None, "the base model has only 2 blocks"),
     (None, {"backbone.model.embed_tokens.weight": torch.zeros(3, 3)}, "unexpected tensor 'backbone.model.embed_tokens.weight'"),

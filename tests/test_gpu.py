@@ -20,31 +20,26 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("transport", ["memory", "memory-bytes", "file", "memory-karvonen"])
-def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypatch):
-    """memory: engine in this process, GPU tensors straight into the worker; memory-bytes: a separate
-    engine-core process, safetensors bytes; file: an adapter directory; memory-karvonen: karvonen
-    injection (the injecting model class, compiled with CUDA graphs and LoRA; chunked prefill with the
-    marker in a later chunk; prefix caching on) instead of embed."""
-    pytest.importorskip("vllm")
-    if transport == "memory-bytes":
-        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    injection = {"mode": "karvonen", "karvonen_layer": 0} if transport.endswith("-karvonen") else None
-    transport = transport.removesuffix("-bytes").removesuffix("-karvonen")
+def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none") -> list[float]:
+    """Three pushes with training between, each followed by a rollout that the learner rescores;
+    returns each push's k3 (and checks mean |Δlogp| and k3 at the bf16 noise level)."""
     from learner.service import Learner
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     compiled = {"enforce_eager": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
                 "enable_prefix_caching": True} if injection else {"enforce_eager": True}
-    base = tiny_config(tiny_dir, injection, "file" if transport == "file" else "auto", group_size=4, max_new_tokens=24,
+    base = tiny_config(tiny_dir, injection, "file" if transport == "file" else "host", group_size=4, max_new_tokens=24,
                        gpu_memory_utilization=0.2, max_num_seqs=32, engine_options=compiled)
     raw = base.model_dump(mode="python")
-    raw["model"]["dtype"] = "bfloat16"
+    raw["model"].update(dtype="bfloat16", quantization=quantization)
+    raw["placement"]["mode"] = "colocated"  # a GPU run (NF4 is refused on the cpu placement)
+    raw["critic"]["lora_r"] = 8
     raw["learner"].update(lr=5e-2, optimizer="adamw")
     cfg = build_config(raw, "gpu-test")
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
+    figures = []
     try:
         reqs = tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 8, prefill=cfg.rollout.prefill)
         by_row = {r.row_id: r.vector for r in reqs}
@@ -56,12 +51,126 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
             ours = learner.logprobs(samples, vectors)
             d = torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(samples, ours)])
             k3 = (torch.exp(-d) + d - 1).mean().item()
-            print(f"{transport}{'-karvonen' if injection else ''} v{learner.version}: mean |dlogp| {d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
+            print(f"{transport} {injection and injection['mode']} {quantization} v{learner.version}: mean |dlogp| "
+                  f"{d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
             assert d.abs().mean() < 0.05 and k3 < 0.01
+            figures.append(k3)
             adv = torch.randn(len(samples)).tolist()
             learner.update(samples, adv, vectors)
     finally:
         engine.close()
+    return figures
+
+
+@pytest.mark.parametrize("transport", ["memory", "memory-bytes", "file", "memory-karvonen"])
+def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypatch):
+    """memory: engine in this process, GPU tensors straight into the worker; memory-bytes: a separate
+    engine-core process, safetensors bytes; file: an adapter directory; memory-karvonen: karvonen
+    injection (the injecting model class, compiled with CUDA graphs and LoRA; chunked prefill with the
+    marker in a later chunk; prefix caching on) instead of embed."""
+    pytest.importorskip("vllm")
+    if transport == "memory-bytes":
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if transport.endswith("-karvonen") else None
+    _parity_k3(tiny_dir, transport.removesuffix("-bytes").removesuffix("-karvonen"), injection)
+
+
+@pytest.mark.parametrize("mode", ["embed", "karvonen"])
+def test_nf4_vllm_matches_the_nf4_learner(tiny_dir, mode):
+    """vLLM's in-flight NF4 of the bf16 checkpoint against the learner's NF4 double-quant base: k3
+    within 2x of the bf16 pair's in the same test (NF4 on one side only is ~3000x above it)."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("bitsandbytes")
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
+    bf16 = _parity_k3(tiny_dir, "memory", injection, "none")
+    nf4 = _parity_k3(tiny_dir, "memory", injection, "nf4")
+    print(f"{mode}: k3 bf16 {bf16}, nf4 {nf4}")
+    assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
+
+
+def test_8bit_adamw_state_round_trips_bit_exactly(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes")
+    from shared.fileio import load_optimizer, save_optimizer
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(256, 64, device="cuda")), torch.nn.Parameter(torch.randn(4096, device="cuda"))]
+    opt = bnb.optim.AdamW8bit(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    save_optimizer(tmp_path, opt, ["a", "b"], "opt.safetensors", "opt.json")
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    fresh = bnb.optim.AdamW8bit(copies, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    load_optimizer(tmp_path, fresh, ["a", "b"], "opt.safetensors", "opt.json")
+    for p, q in zip(params, copies):
+        a, b = opt.state[p], fresh.state[q]
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(torch.as_tensor(a[k]).cpu(), torch.as_tensor(b[k]).cpu()), k
+    # and the next step is the same step
+    for p, q in zip(params, copies):
+        p.grad = q.grad = torch.ones_like(p)
+    opt.step()
+    fresh.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, copies))
+
+
+def test_an_imported_4bit_ar_predicts_what_a_reference_style_nf4_critic_predicts(tiny_dir, tmp_path):
+    """The reference trainer's way (NF4 truncated causal LM, LoRA injected, bias-free head) against the
+    imported checkpoint in an NF4 critic: the same prediction (<= 1e-3)."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, inject_adapter_in_model
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from critic.import_reference import import_reference_ar
+    from critic.scoring import Critic
+    from shared.quantization import hf_quantization
+    from shared.schema import normalize_activation
+
+    targets = ["q_proj", "v_proj", "down_proj"]
+    config = AutoConfig.from_pretrained(tiny_dir / "model")
+    config.num_hidden_layers = 1
+    ref = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", config=config, dtype=torch.bfloat16,
+                                               quantization_config=hf_quantization("nf4", torch.bfloat16), device_map={"": "cuda"})
+    ref.model.norm = torch.nn.Identity()
+    inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, bias="none", use_rslora=True, target_modules=targets), ref)
+    head = torch.nn.Linear(64, 64, bias=False, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if "lora_" in n:
+                p.data = (torch.randn(p.shape, generator=gen) * 0.3).to(device="cuda", dtype=torch.float32)
+        head.weight.copy_(torch.randn(64, 64, generator=gen) * 0.2)
+    ar = tmp_path / "ar"
+    ar.mkdir()
+    sd = {f"backbone.{n}": p.detach().float().cpu().contiguous() for n, p in ref.named_parameters() if "lora_" in n}
+    save_file({**sd, "value_head.weight": head.weight.detach().cpu()}, str(ar / "ar_lora_value_head.safetensors"))
+    (ar / "ar_meta.json").write_text(json.dumps({"ar_num_layers": 1, "lora_r": 4, "lora_alpha": 8, "target_modules": targets,
+                                                 "quant": "4bit", "final_norm_stripped": True}))
+    import_reference_ar(ar, tmp_path / "critic", tiny_dir / "model")
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "bfloat16", "quantization": "nf4"},
+                        "placement": {"mode": "colocated"},
+                        "critic": {"checkpoint": str(tmp_path / "critic"), "lora_r": 4, "lora_alpha": 8}}, "gpu-test")
+    critic = Critic(cfg, spec, "cuda")
+    ids = critic.encode(["moss and pine trees on a hill"])[0]
+    x = torch.tensor([ids], device="cuda")
+    with torch.no_grad():
+        ours = critic.model(x, torch.ones_like(x)).float()
+        h = ref.model(input_ids=x).last_hidden_state[:, -1].float()
+        theirs = head(normalize_activation(h, spec.mse_scale))
+    assert (ours - theirs).abs().max().item() <= 1e-3, (ours - theirs).abs().max()
+
+
+def test_colocated_nf4_job_runs_with_logprobs_at_the_noise_floor(tiny_dir, tmp_path):
+    """The reference trainer's default precision through the whole job: NF4 learner, vLLM in flight, critic."""
+    pytest.importorskip("bitsandbytes")
+    rows = _gpu_job(tiny_dir, tmp_path / "nf4", 20, "placement.mode=colocated", "model.quantization=nf4",
+                    "logging.eval_every=10", "learner.optimizer=adamw8bit")
+    assert rows[-1]["adapter_version"] == 21
+    assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3
 
 
 def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):

@@ -82,7 +82,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
 
 
 @pytest.mark.parametrize("raw,needle", [
-    ({"model": {"load_in_4bit": True}}, "model.load_in_4bit"),
+    ({"model": {"quantization": "nf4"}}, "model.quantization=nf4: bitsandbytes NF4 needs CUDA GPUs"),
     ({"model": {"dtype": "bfloat16"}, "critic": {"train": True, "lora_r": 0}}, "critic.lora_r=0"),
     ({"placement": {"mode": "colocated"}, "critic": {"train": True}}, "critic.lora_r=0"),
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),

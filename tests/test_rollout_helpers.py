@@ -140,6 +140,10 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
         assert kw["enforce_eager"] is False
         assert kw.get("hf_overrides") == (None if mode == "embed" else {
             "architectures": ["NlaKarvonenQwen3ForCausalLM"], "nla_karvonen_layer": 1, "nla_marker_id": 7})
+    # NF4 in flight, the learner's base: from model.quantization alone
+    nf4 = build_config({"model": {**model, "quantization": "nf4", "dtype": "bfloat16"}, "placement": {"mode": "colocated"}})
+    assert engine_kwargs(nf4, "cuda", torch.bfloat16)["quantization"] == "bitsandbytes"
+    assert "quantization" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
     # rollout.engine_options come last and win
     cfg = build_config({"model": model, "rollout": {"engine_options": {"enforce_eager": True, "max_num_batched_tokens": 64}}})
     kw = engine_kwargs(cfg, "cuda", torch.bfloat16)
