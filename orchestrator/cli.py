@@ -237,7 +237,9 @@ def main(argv=None) -> int:
             meta = import_reference_ar(args.ar_dir, args.out_dir, args.model)
             print(f"wrote {args.out_dir}: {meta.num_layers} blocks, LoRA r={meta.lora_r} alpha={meta.lora_alpha} on "
                   f"{','.join(meta.target_modules)}; use it with critic.checkpoint={args.out_dir} "
-                  f"critic.lora_r={meta.lora_r} critic.lora_alpha={meta.lora_alpha}")
+                  f"critic.lora_r={meta.lora_r} critic.lora_alpha={meta.lora_alpha}"
+                  + (f" model.quantization={meta.quantization}" if meta.quantization != "none" else "")
+                  + (" (its final norm kept, as it was trained)" if meta.final_norm else ""))
             return 0
         if args.cmd == "plot":
             from orchestrator.plot import write_plots
