@@ -118,11 +118,14 @@ def _train(args) -> int:
     if (args.resume is None) == (args.config is None):
         raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
     if args.resume is not None:
-        if args.set or args.run_dir:
-            raise NlaInputError("train", "--resume continues a run exactly: --set and --run-dir cannot be combined with it")
+        from orchestrator.job import check_resume_overrides
+
+        if args.run_dir:
+            raise NlaInputError("train", "--resume continues the run in its own directory: --run-dir cannot be combined with it")
+        changed = tuple(check_resume_overrides(list(args.set)))
         run = RunDir.open(args.resume)
         run.lock()
-        cfg = run.config([f"grpo.steps={args.steps}"] if args.steps is not None else [])
+        cfg = run.config(list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else []))
         resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
         done = int(resume_from.name.removeprefix("step_")) if resume_from is not None else 0
         if cfg.grpo.steps <= done:
@@ -132,7 +135,7 @@ def _train(args) -> int:
         if resume_from is not None:
             from orchestrator.job import check_resume
 
-            check_resume(resume_from, cfg, job, run.path / "config.yaml")
+            check_resume(resume_from, cfg, job, run.path / "config.yaml", changed)
         run.save_config(cfg)
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)

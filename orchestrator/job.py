@@ -46,6 +46,23 @@ class Job:
 # (the data's content is checked by its fingerprint instead)
 RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
                      "critic.checkpoint", "learner.adapter_init")
+# what `train --resume --set` may change on purpose: the above, and the learning rates (the run then
+# continues with the new rate from the checkpoint on; editing config.yaml by hand is still refused)
+SET_ON_RESUME = RESUME_MAY_CHANGE + ("learner.lr", "critic.lr")
+
+
+def check_resume_overrides(overrides: list[str]) -> list[str]:
+    """The ``--set`` keys of a resume, each one ``SET_ON_RESUME`` allows; a one-line refusal otherwise."""
+    from shared.config import parse_override
+
+    keys = []
+    for item in overrides:
+        key = ".".join(parse_override(item)[0])
+        if not (key + ".").startswith(tuple(p if p.endswith(".") else p + "." for p in SET_ON_RESUME)):
+            raise NlaInputError("--set", f"{key}: cannot change when a run resumes (it continues exactly); --resume "
+                                         f"takes --set only for {', '.join(p.rstrip('.') + ('.*' if p.endswith('.') else '') for p in SET_ON_RESUME)}")
+        keys.append(key)
+    return keys
 
 
 def data_fingerprint(rows, train, ev, spec) -> dict:
@@ -60,9 +77,10 @@ def data_fingerprint(rows, train, ev, spec) -> dict:
             "sidecar_sha256": hashlib.sha256(Path(spec.path).read_bytes()).hexdigest(), "first_rows_sha256": head.hexdigest()}
 
 
-def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where) -> None:
+def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[str, ...] = ()) -> None:
     """Refuse, in one line naming the field, a resume whose config, data or frozen critic differ from
-    what the checkpoint was written with (a run saved before these were recorded is not checked)."""
+    what the checkpoint was written with (a run saved before these were recorded is not checked);
+    ``changed``: fields this resume's ``--set`` changes on purpose."""
     from critic.checkpoint import FROZEN_RECORD, check_frozen_record
 
     state = json.loads((ckpt / "state.json").read_text())
@@ -79,7 +97,7 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where) -> None:
         saved = upgrade_saved_config(saved)  # written by an older version: compared as it would read now
         now, then = flat(cfg.model_dump(mode="json")), flat(saved)
         for key in sorted(set(now) | set(then)):
-            if not key.startswith(RESUME_MAY_CHANGE) and now.get(key) != then.get(key):
+            if not key.startswith(RESUME_MAY_CHANGE) and key not in changed and now.get(key) != then.get(key):
                 raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
                                            "a resumed run continues exactly, so it cannot change (start a new run instead)")
     data = state.get("data")

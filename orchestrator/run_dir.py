@@ -140,7 +140,7 @@ class RunDir:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        for old in self.list_checkpoints()[:-keep_last]:
+        for old in self.list_checkpoints()[:-keep_last] if keep_last > 0 else ():  # 0 keeps every checkpoint
             shutil.rmtree(old, ignore_errors=True)
         return final
 

@@ -285,8 +285,8 @@ class LoggingConfig(_Section):
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=0)
     """Save a full checkpoint every N steps (0 = only at the end)."""
-    keep_last: int = Field(3, ge=1, le=1000)
-    """Checkpoints kept in the run directory."""
+    keep_last: int = Field(0, ge=0, le=100000)
+    """Newest checkpoints kept in the run directory; 0 = every one (as the reference trainer keeps them)."""
     self_contained: bool = False
     """Copy the frozen parts (the reference adapter; the critic when critic.train is off) into every
     checkpoint, so each stands alone; off: checkpoints point at them by path and SHA-256."""

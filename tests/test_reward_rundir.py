@@ -49,4 +49,9 @@ def test_run_dir_logs_and_atomic_checkpoints(tmp_path):
     run.checkpoint_tmp(40)  # killed mid-write
     assert [p.name for p in run.list_checkpoints()] == ["step_000020", "step_000030"]
     assert run.latest_checkpoint().name == "step_000030"
+    for s in (50, 60):  # keep_last 0 (the default) keeps every one
+        t = run.checkpoint_tmp(s)
+        (t / "state.json").write_text("{}")
+        run.commit_checkpoint(t, s, keep_last=RunConfig().checkpointing.keep_last)
+    assert [p.name for p in run.list_checkpoints()] == ["step_000020", "step_000030", "step_000050", "step_000060"]
     assert RunDir.open(run.path).config() == RunConfig()

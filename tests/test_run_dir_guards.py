@@ -114,6 +114,13 @@ def test_resume_refuses_a_changed_config_naming_the_field(tiny_dir, tmp_path):
     (run / "config.yaml").write_text(yaml.safe_dump(raw))
     res = run_cli("train", "--resume", run, "--steps", "3", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
+    # on purpose, on the command line: the learning rate may change, the structure may not
+    res = run_cli("train", "--resume", run, "--steps", "4", "--set", "learner.lora_r=4", timeout=120)
+    assert res.returncode == 2 and res.stderr.strip().splitlines() == [
+        res.stderr.strip()] and "--set: learner.lora_r: cannot change when a run resumes" in res.stderr, res.stderr
+    res = run_cli("train", "--resume", run, "--steps", "4", "--set", "learner.lr=1e-3", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert yaml.safe_load((run / "config.yaml").read_text())["learner"]["lr"] == 1e-3
 
 
 @pytest.mark.slow
