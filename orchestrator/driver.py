@@ -9,7 +9,6 @@ counted in ``time/rollout``.
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from orchestrator.groups import RankFailure
 from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
+from orchestrator.metrics import eval_metrics, sample_metrics
 from orchestrator.run_dir import RunDir
 from orchestrator.weight_push import AdapterPush
 from shared.data import ShuffledOrder
@@ -65,11 +65,6 @@ def _requests(job: Job, rows, prompt_index, idx) -> list[PromptRequest]:
     return out
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return float(np.mean(xs)) if xs else float("nan")
-
-
 def _score(services, job: Job, samples, vectors):
     """Explanations, critic mses and rewards for a list of samples."""
 
@@ -99,14 +94,7 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     g = cfg.rollout.group_size
     vectors = torch.from_numpy(np.repeat(job.eval.activations[idx], g, axis=0))
     expl, mses, rewards = _score(services, job, samples, vectors)
-    valid = [m for m in mses if m is not None]
-    out = {
-        "eval/reward_mean": _mean(rewards),
-        "eval/reward_mean_valid": _mean([r for r, m in zip(rewards, mses) if m is not None]),
-        "eval/mse_mean": _mean(valid),
-        "eval/fve": 1.0 - _mean(valid) / job.fve_baseline if valid else float("nan"),
-        "eval/extraction_rate": len(valid) / len(mses),
-    }
+    out = eval_metrics(rewards, mses, job.fve_baseline)
     records = []
     for j, i in enumerate(idx):
         s = samples[j * g]
@@ -248,22 +236,12 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             t_push = time.time() - t
 
             # ---- log ----
-            valid = [m for m in mses if m is not None]
-            valid_rewards = [r for r, m in zip(rewards, mses) if m is not None]
             row = {
                 "step": step,
-                "reward_mean": _mean(valid_rewards),
-                "reward_mean_all": _mean(rewards),
-                "reward_std": float(np.std(valid_rewards)) if valid_rewards else float("nan"),
-                "mse_mean": _mean(valid),
-                "fve": 1.0 - _mean(valid) / job.fve_baseline if valid else float("nan"),
-                "fve_meannorm": 1.0 - _mean(valid) / job.fve_baseline_meannorm if valid else float("nan"),
-                "fve_baseline": job.fve_baseline,
-                "extraction_rate": len(valid) / len(mses),
+                **sample_metrics(rewards, mses, adv, [s.text for s in samples], job.fve_baseline, job.fve_baseline_meannorm),
                 "length_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
                 "marker_echo_rate": sum(bool(s.marker_echo) for s in samples) / len(samples),
                 "mean_resp_len": float(np.mean([len(s.response_ids) for s in samples])),
-                "advantage_std": float(adv.std()),
                 "adapter_version": version,
                 "time/rollout": t_rollout, "time/score": t_score, "time/update": t_update,
                 "time/critic": t_critic, "time/push": t_push, "time/sleep": t_sleep,

@@ -1,0 +1,59 @@
+"""What a step logs about its samples, as pure functions: this project's names and, beside them, the
+reference trainer's (its dashboards read those), with the same values where they mean the same."""
+from __future__ import annotations
+
+import math
+import unicodedata
+
+import numpy as np
+
+
+def _stat(values, fn) -> float:
+    """``fn`` over the finite values (NaN when there are none)."""
+    xs = [float(x) for x in values if x is not None and math.isfinite(float(x))]
+    return float(fn(xs)) if xs else float("nan")
+
+
+def cjk_fraction(text: str | None) -> float:
+    """Share of CJK characters in ``text``: the usual symptom of a verbaliser that lost its injection."""
+    if not text:
+        return 0.0
+    return sum("CJK" in unicodedata.name(c, "") for c in text) / len(text)
+
+
+def sample_metrics(rewards: list[float], mses: list[float | None], advantages, texts: list[str | None],
+                   fve_baseline: float, fve_baseline_meannorm: float) -> dict:
+    """Reward, MSE, FVE and advantage statistics of one step's samples (a sample without an MSE, whose
+    explanation could not be scored, counts in ``reward_mean_all`` and the extraction rate only)."""
+    valid = [m for m in mses if m is not None]
+    valid_rewards = [r for r, m in zip(rewards, mses) if m is not None]
+    mse = _stat(valid, np.mean)
+    fve = 1.0 - mse / fve_baseline if valid else float("nan")
+    fve_meannorm = 1.0 - mse / fve_baseline_meannorm if valid else float("nan")
+    adv = np.asarray(advantages, dtype=np.float64)
+    return {
+        "reward_mean": _stat(valid_rewards, np.mean), "reward_mean_all": _stat(rewards, np.mean),
+        "reward_std": _stat(valid_rewards, np.std), "reward_min": _stat(valid_rewards, np.min),
+        "reward_max": _stat(valid_rewards, np.max),
+        "mse_mean": mse, "mse_std": _stat(valid, np.std), "mse_min": _stat(valid, np.min), "mse_max": _stat(valid, np.max),
+        "fve": fve, "fve_pct": fve * 100.0, "fve_meannorm": fve_meannorm, "fve_pct_meannorm": fve_meannorm * 100.0,
+        "fve_baseline": fve_baseline, "fve_baseline_meannorm": fve_baseline_meannorm,
+        "extraction_rate": len(valid) / len(mses) if mses else float("nan"),
+        # torch's std (unbiased), as the advantages' own .std() gives
+        "advantage_mean": _stat(adv, np.mean), "advantage_std": float(adv.std(ddof=1)) if adv.size > 1 else float("nan"),
+        "mean_cjk": float(np.mean([cjk_fraction(t) for t in texts])) if texts else 0.0,
+    }
+
+
+def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: float) -> dict:
+    """The held-out eval's summary under this project's names and the reference trainer's."""
+    valid = [m for m in mses if m is not None]
+    mse = _stat(valid, np.mean)
+    fve = 1.0 - mse / fve_baseline if valid else float("nan")
+    return {
+        "eval/reward_mean": _stat(rewards, np.mean),
+        "eval/reward_mean_valid": _stat([r for r, m in zip(rewards, mses) if m is not None], np.mean),
+        "eval/mse_mean": mse, "eval/mse_mean_valid": mse,
+        "eval/fve": fve, "eval/fve_pct": fve * 100.0 if not math.isnan(fve) else float("nan"),
+        "eval/extraction_rate": len(valid) / len(mses) if mses else float("nan"),
+    }

@@ -1,0 +1,32 @@
+"""A step's sample statistics under this project's names and the reference trainer's."""
+import math
+
+import pytest
+import torch
+
+from orchestrator.metrics import cjk_fraction, eval_metrics, sample_metrics
+
+
+def test_sample_metrics_carry_the_reference_trainers_names_with_the_same_values():
+    rewards, mses = [1.0, -2.0, 0.5, -9.0], [0.2, 0.8, 0.4, None]  # the last explanation could not be scored
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    m = sample_metrics(rewards, mses, adv, ["a tree", "树木", None, "x"], fve_baseline=2.0, fve_baseline_meannorm=4.0)
+    assert m["reward_mean"] == pytest.approx(-0.5 / 3) and m["reward_mean_all"] == pytest.approx(-9.5 / 4)
+    assert (m["reward_min"], m["reward_max"]) == (-2.0, 1.0)
+    assert (m["mse_min"], m["mse_max"]) == (0.2, 0.8)
+    assert m["mse_mean"] == pytest.approx((0.2 + 0.8 + 0.4) / 3)
+    assert m["mse_std"] == pytest.approx(torch.tensor([0.2, 0.8, 0.4]).std(unbiased=False).item())
+    assert m["fve"] == pytest.approx(1 - m["mse_mean"] / 2.0) and m["fve_pct"] == pytest.approx(100 * m["fve"])
+    assert m["fve_pct_meannorm"] == pytest.approx(100 * (1 - m["mse_mean"] / 4.0)) and m["fve_baseline_meannorm"] == 4.0
+    assert m["extraction_rate"] == 0.75
+    assert m["advantage_mean"] == pytest.approx(0.0) and m["advantage_std"] == pytest.approx(adv.std().item())
+    assert m["mean_cjk"] == pytest.approx((0 + 1 + 0 + 0) / 4)
+
+
+def test_cjk_fraction_and_empty_batches():
+    assert cjk_fraction("ab树") == pytest.approx(1 / 3) and cjk_fraction("") == 0.0 and cjk_fraction(None) == 0.0
+    m = sample_metrics([-9.0], [None], torch.tensor([0.0]), ["x"], 2.0, 4.0)
+    assert math.isnan(m["reward_mean"]) and math.isnan(m["fve_pct"]) and m["extraction_rate"] == 0.0
+    e = eval_metrics([1.0, -9.0], [0.5, None], fve_baseline=2.0)
+    assert e["eval/mse_mean_valid"] == e["eval/mse_mean"] == 0.5 and e["eval/fve_pct"] == pytest.approx(75.0)
+    assert e["eval/reward_mean"] == pytest.approx(-4.0) and e["eval/reward_mean_valid"] == 1.0
