@@ -51,6 +51,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def critic_architecture(cfg, spec, dtype: torch.dtype) -> CriticMeta:
+    """The critic's structure from the config and the sidecar, checked against ``critic.checkpoint``'s meta
+    (a one-line error naming the field); reads JSON only, so the job checks it before any actor starts."""
+    c = cfg.critic
+    saved = read_meta(c.checkpoint) if c.checkpoint else None
+    # unset LoRA settings are the checkpoint's (or none and 16 without one)
+    r = c.lora_r if c.lora_r is not None else (saved.lora_r if saved else 0)
+    alpha = c.lora_alpha if c.lora_alpha is not None else (saved.lora_alpha if saved else 16)
+    meta = CriticMeta(
+        num_layers=c.num_layers or spec.layer_index + 1,
+        d_model=spec.d_model,
+        lora_r=r,
+        lora_alpha=alpha,
+        use_rslora=True,
+        target_modules=list(LINEAR_MODULES) if r > 0 else [],
+        base_model=str(cfg.model.path),
+        dtype=_dtype_name(dtype),
+        quantization=cfg.model.quantization,
+    )
+    if saved is not None:
+        # an AR checkpoint's own depth is used unless the config pins one; its final norm (no config field) always
+        Critic._check_same_structure(saved, replace(meta, final_norm=saved.final_norm), Path(c.checkpoint) / META_NAME,
+                                     explicit_layers=c.num_layers is not None)
+        # the LoRA's modules are the checkpoint's (an imported AR may carry fewer than all seven)
+        meta = replace(meta, num_layers=saved.num_layers, final_norm=saved.final_norm,
+                       target_modules=list(saved.target_modules) if saved.lora_r > 0 else meta.target_modules)
+    return meta
+
+
 class Critic:
     """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
 
@@ -84,27 +113,7 @@ class Critic:
 
     # ---- structure -------------------------------------------------------------------------
     def _architecture(self) -> CriticMeta:
-        c = self.cfg.critic
-        meta = CriticMeta(
-            num_layers=c.num_layers or self.spec.layer_index + 1,
-            d_model=self.spec.d_model,
-            lora_r=c.lora_r,
-            lora_alpha=c.lora_alpha,
-            use_rslora=True,
-            target_modules=list(LINEAR_MODULES) if c.lora_r > 0 else [],
-            base_model=str(self.cfg.model.path),
-            dtype=_dtype_name(self.dtype),
-            quantization=self.cfg.model.quantization,
-        )
-        if c.checkpoint:
-            saved = read_meta(c.checkpoint)
-            # an AR checkpoint's own depth is used unless the config pins one; its final norm (no config field) always
-            self._check_same_structure(saved, replace(meta, final_norm=saved.final_norm), Path(c.checkpoint) / META_NAME,
-                                       explicit_layers=c.num_layers is not None)
-            # the LoRA's modules are the checkpoint's (an imported AR may carry fewer than all seven)
-            meta = replace(meta, num_layers=saved.num_layers, final_norm=saved.final_norm,
-                           target_modules=list(saved.target_modules) if saved.lora_r > 0 else meta.target_modules)
-        return meta
+        return critic_architecture(self.cfg, self.spec, self.dtype)
 
     @staticmethod
     def _check_same_structure(saved: CriticMeta, want: CriticMeta, where: Path, explicit_layers: bool = True) -> None:

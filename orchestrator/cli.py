@@ -135,7 +135,7 @@ def _train(args) -> int:
         if resume_from is not None:
             from orchestrator.job import check_resume
 
-            check_resume(resume_from, cfg, job, run.path / "config.yaml", changed)
+            check_resume(resume_from, job.cfg, job, run.path / "config.yaml", changed)
         run.save_config(cfg)
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
             meta = import_reference_ar(args.ar_dir, args.out_dir, args.model)
             print(f"wrote {args.out_dir}: {meta.num_layers} blocks, LoRA r={meta.lora_r} alpha={meta.lora_alpha} on "
                   f"{','.join(meta.target_modules)}; use it with critic.checkpoint={args.out_dir} "
-                  f"critic.lora_r={meta.lora_r} critic.lora_alpha={meta.lora_alpha}"
+                  f"(critic.lora_r and lora_alpha come from it)"
                   + (f" model.quantization={meta.quantization}" if meta.quantization != "none" else "")
                   + (" (its final norm kept, as it was trained)" if meta.final_norm else ""))
             return 0

@@ -109,6 +109,22 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
         check_frozen_record(ckpt / FROZEN_RECORD, cfg.critic.checkpoint)
 
 
+def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
+    """The critic's structure checked against ``critic.checkpoint`` now, before any actor starts, and its
+    unset LoRA settings taken from the checkpoint's meta (then every rule is checked again on them)."""
+    import torch
+
+    from critic.scoring import critic_architecture
+    from shared.config import build_config
+
+    arch = critic_architecture(cfg, spec, torch.float32)
+    if cfg.critic.lora_r is not None and cfg.critic.lora_alpha is not None:
+        return cfg
+    raw = cfg.model_dump(mode="python")
+    raw["critic"].update(lora_r=arch.lora_r, lora_alpha=arch.lora_alpha)
+    return build_config(raw, "config")
+
+
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
@@ -129,6 +145,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks:
         raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 1} ({model_dir} has {blocks} "
                             f"decoder blocks), found {cfg.injection.karvonen_layer}")
+    cfg = _resolve_critic(cfg, spec)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)
     else:

@@ -134,10 +134,10 @@ class CriticConfig(_Section):
     """Critic learning rate."""
     optimizer: Literal["auto", "adamw", "adamw8bit"] = "auto"
     """As learner.optimizer: auto = 8-bit AdamW where bitsandbytes imports on CUDA, torch AdamW otherwise."""
-    lora_r: int = Field(0, ge=0, le=4096)
-    """LoRA rank on the critic backbone; 0 = full fine-tuning when trained."""
-    lora_alpha: int = Field(16, ge=1, le=65536)
-    """Critic LoRA alpha."""
+    lora_r: Optional[int] = Field(None, ge=0, le=4096)
+    """LoRA rank on the critic backbone; 0 = full fine-tuning when trained; None = critic.checkpoint's (0 without one)."""
+    lora_alpha: Optional[int] = Field(None, ge=1, le=65536)
+    """Critic LoRA alpha; None = critic.checkpoint's (16 without one)."""
     micro_batch: int = Field(16, ge=1, le=4096)
     """Explanations per forward when scoring and training."""
     max_prompt_tokens: int = Field(1024, ge=8, le=131072)
@@ -336,6 +336,13 @@ class RunConfig(_Section):
         return self
 
 
+def critic_rank(critic: CriticConfig) -> int | None:
+    """The critic's LoRA rank as configured: None when it is critic.checkpoint's, not known until that is read."""
+    if critic.lora_r is not None:
+        return critic.lora_r
+    return None if critic.checkpoint else 0
+
+
 def combination_problem(cfg: RunConfig) -> str | None:
     """The first rule ``cfg`` breaks across fields, as one line naming the fields; None when it breaks none."""
     p, r = cfg.placement, cfg.rollout
@@ -347,7 +354,7 @@ def combination_problem(cfg: RunConfig) -> str | None:
         if cfg.model.dtype == "float32":
             return (f"{q} with model.dtype=float32: NF4 computes in the model dtype, and vLLM's in-flight NF4 in bfloat16 "
                     "would then differ from the learner's base; use bfloat16")
-        if cfg.critic.train and cfg.critic.lora_r == 0:
+        if cfg.critic.train and critic_rank(cfg.critic) == 0:
             return f"{q} with critic.train and critic.lora_r=0: NF4 weights cannot be trained; give the critic a LoRA"
     # the engines' base must be the learner's: these options are derived from model.* alone
     owned = sorted({"quantization", "hf_overrides", "dtype", "model"} & set(r.engine_options))
@@ -376,7 +383,7 @@ def combination_problem(cfg: RunConfig) -> str | None:
         return (f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), found {p.mode}; "
                 "use auto or host")
     low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
-    if cfg.critic.train and cfg.critic.lora_r == 0 and cfg.critic.checkpoint is None and low_precision:
+    if cfg.critic.train and critic_rank(cfg.critic) == 0 and cfg.critic.checkpoint is None and low_precision:
         return ("critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates (no fp32 master "
                 "weights); set critic.lora_r > 0 or model.dtype: float32")
     if p.learner_gpus > 1 or (p.mode == "split" and p.learner_gpus != 1):

@@ -82,11 +82,12 @@ def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path, norm):
     out = tmp_path / "critic"
     res = run_cli("critic", "import-reference", ar, out, "--model", model)
     assert res.returncode == 0, res.stderr
-    assert "critic.lora_r=4" in res.stdout and not (tmp_path / "critic.importing").exists()
+    assert "use it with critic.checkpoint=" in res.stdout and not (tmp_path / "critic.importing").exists()
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
-    cfg = build_config({"model": {"path": str(model), "dtype": "float32"},
-                        "critic": {"checkpoint": str(out), "lora_r": 4, "lora_alpha": 8}})
+    # critic.lora_r / lora_alpha unset: the checkpoint's
+    cfg = build_config({"model": {"path": str(model), "dtype": "float32"}, "critic": {"checkpoint": str(out)}})
     service = Critic(cfg, spec)
+    assert (service.meta.lora_r, service.meta.lora_alpha) == (4, 8)
     assert len(service.model.backbone.layers) == 1
     ids = service.encode(["moss and pine trees on a hill"])[0]
     x = torch.tensor([ids])
@@ -145,3 +146,18 @@ def test_import_never_overwrites(tiny_dir, tmp_path):
     (tmp_path / "critic").mkdir()
     res = run_cli("critic", "import-reference", ar, tmp_path / "critic", "--model", tiny_dir / "model")
     assert res.returncode == 2 and "already exists" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_critic_is_checked_against_its_checkpoint_before_any_actor(tiny_dir, tmp_path):
+    from critic.import_reference import import_reference_ar
+    from orchestrator.job import prepare_job
+    from shared.errors import NlaInputError
+
+    _, ar = _write_reference(tmp_path, tiny_dir)
+    import_reference_ar(ar, tmp_path / "critic", tiny_dir / "model")
+    base = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}
+    job = prepare_job(build_config({**base, "critic": {"checkpoint": str(tmp_path / "critic")}}), log=lambda m: None)
+    assert (job.cfg.critic.lora_r, job.cfg.critic.lora_alpha) == (4, 8)  # the checkpoint's, for every actor
+    with pytest.raises(NlaInputError, match=r"critic_meta.json: lora_r: the checkpoint has 4 but this critic is configured "
+                                            r"with 8 \(set critic.lora_r to match\)"):
+        prepare_job(build_config({**base, "critic": {"checkpoint": str(tmp_path / "critic"), "lora_r": 8}}), log=lambda m: None)
