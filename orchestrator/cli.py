@@ -89,7 +89,8 @@ def _data_check(args) -> int:
     here += [f"model.path={Path(args.model).resolve()}"] if args.model else []
     cfg = absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd())
     prepare_job(cfg, log=lambda m: print(m, file=sys.stderr))
-    check_dataset(cfg.data.parquet, cfg.data.sidecar, cfg.model.path, cfg.data.eval_fraction, prefill=cfg.rollout.prefill)
+    check_dataset(cfg.data.parquet, cfg.data.sidecar, cfg.model.path, cfg.data.eval_fraction, prefill=cfg.rollout.prefill,
+                  enable_thinking=cfg.prompts.enable_thinking)
     return 0
 
 

@@ -166,7 +166,8 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if cfg.logging.eval_every and len(ev) == 0:
         raise NlaInputError(cfg.data.parquet, "no eval rows (raise data.eval_fraction or set logging.eval_every=0)")
 
-    prompt_ids, (pi_train, pi_eval) = prompt_table([train, ev], tok, spec, cfg.rollout.prefill, cfg.data.parquet)
+    prompt_ids, (pi_train, pi_eval) = prompt_table([train, ev], tok, spec, cfg.rollout.prefill, cfg.data.parquet,
+                                                   cfg.prompts.enable_thinking)
     golds = torch.from_numpy(train.activations[: cfg.data.fve_baseline_rows])
     meannorm, rawvar = fve_baselines(golds, spec.mse_scale)
     log(f"[data] {len(train)} training rows, {len(ev)} eval rows (document-disjoint), d={spec.d_model}; "

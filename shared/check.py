@@ -44,7 +44,7 @@ def resolve_model_dir(spec, model_dir: str | None) -> Path:
 
 
 def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | None = None, eval_fraction: float = 0.1,
-                  out=sys.stdout, prefill: str = "") -> dict:
+                  out=sys.stdout, prefill: str = "", enable_thinking: bool | None = None) -> dict:
     """Validate everything a run needs from the data (prompts rendered with ``prefill``); return and print a summary."""
     from shared.data import open_parquet, read_rows, split_eval
     from shared.prompts import prompt_table
@@ -64,7 +64,7 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
             print(f"  read {done}/{total} rows", file=out, flush=True)
 
     rows = read_rows(parquet, spec.d_model, progress=progress)
-    table, _ = prompt_table([rows], tok, spec, prefill, parquet)
+    table, _ = prompt_table([rows], tok, spec, prefill, parquet, enable_thinking)
     train, ev = split_eval(rows, eval_fraction)
     summary = {
         "rows": len(rows), "d_model": spec.d_model, "layer_index": spec.layer_index,

@@ -193,6 +193,17 @@ class LearnerConfig(_Section):
         return v
 
 
+class PromptsConfig(_Section):
+    enable_thinking: Optional[bool] = None
+    """Handed to the chat template as enable_thinking when set (unset / null: not passed, as the reference trainer
+    renders; false on Qwen3 adds an empty think block). Rollout, learner, eval and data check render alike."""
+
+    @field_validator("enable_thinking", mode="before")
+    @classmethod
+    def _unset(cls, v):
+        return None if v == "unset" else v
+
+
 class GrpoConfig(_Section):
     steps: int = Field(100, ge=1, le=10_000_000)
     """Total GRPO steps of the run."""
@@ -298,6 +309,7 @@ class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     injection: InjectionConfig = Field(default_factory=InjectionConfig)
+    prompts: PromptsConfig = Field(default_factory=PromptsConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
@@ -521,9 +533,12 @@ def field_docs(model: type[BaseModel] = RunConfig, prefix: str = "") -> dict[str
 def upgrade_saved_config(raw: dict) -> dict:
     """A run directory's config.yaml from an older version, made current so the run resumes as it ran:
     no ``learner.forward`` = the padded update; ``rollout.weight_transport`` / ``placement.adapter_route``
-    = the ``weight_sync`` variant they chose; ``model.load_in_4bit`` = ``model.quantization``."""
+    = the ``weight_sync`` variant they chose; ``model.load_in_4bit`` = ``model.quantization``; no
+    ``prompts`` section = ``enable_thinking: false``, as they rendered."""
     raw = _deep_copy(raw)
     learner, rollout, placement = (raw.get(k) if isinstance(raw.get(k), dict) else None for k in ("learner", "rollout", "placement"))
+    if "prompts" not in raw:  # before the prompts section every AV prompt was rendered with enable_thinking=False
+        raw["prompts"] = {"enable_thinking": False}
     model = raw.get("model") if isinstance(raw.get("model"), dict) else None
     if model is not None and "load_in_4bit" in model:
         old = model.pop("load_in_4bit")

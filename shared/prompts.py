@@ -1,8 +1,9 @@
 """AV and critic prompts: render with the marker, tokenize, and find the single injection site.
 
 Rendering is the one place that calls ``apply_chat_template``; every service goes through it so the
-token ids seen by rollout, learner and data check are the same. Qwen3 templates always get
-``enable_thinking=False``.
+token ids seen by rollout, learner and data check are the same. ``enable_thinking`` (the config's
+``prompts.enable_thinking``) is handed to the template only when set: unset is how the reference
+trainer renders (on Qwen3 templates ``false`` adds an empty think block to the generation prompt).
 """
 from __future__ import annotations
 
@@ -29,17 +30,17 @@ def substitute_marker(messages: list[dict], marker: str) -> list[dict]:
     ]
 
 
-def render_av_text(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> str:
+def render_av_text(tokenizer, messages: list[dict], marker: str, prefill: str = "", enable_thinking: bool | None = None) -> str:
     """The AV prompt as text: chat template with generation prompt, then the assistant prefill."""
-    text = tokenizer.apply_chat_template(
-        substitute_marker(messages, marker), tokenize=False, add_generation_prompt=True, enable_thinking=False
-    )
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    text = tokenizer.apply_chat_template(substitute_marker(messages, marker), tokenize=False, add_generation_prompt=True, **extra)
     return text + prefill
 
 
-def render_av_ids(tokenizer, messages: list[dict], marker: str, prefill: str = "") -> list[int]:
+def render_av_ids(tokenizer, messages: list[dict], marker: str, prefill: str = "", enable_thinking: bool | None = None) -> list[int]:
     """Token ids of the AV prompt (never re-tokenized elsewhere)."""
-    return as_ids(tokenizer.encode(render_av_text(tokenizer, messages, marker, prefill), add_special_tokens=False))
+    text = render_av_text(tokenizer, messages, marker, prefill, enable_thinking)
+    return as_ids(tokenizer.encode(text, add_special_tokens=False))
 
 
 def marker_sites(ids, marker_id: int, left_id: int, right_id: int) -> list[int]:
@@ -81,7 +82,7 @@ def render_critic_ids(tokenizer, template: str, explanation: str) -> list[int]:
     return as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
 
 
-def prompt_table(row_sets, tokenizer, spec, prefill: str, source) -> tuple[list[tuple[list[int], int]], list]:
+def prompt_table(row_sets, tokenizer, spec, prefill: str, source, enable_thinking: bool | None = None) -> tuple[list[tuple[list[int], int]], list]:
     """Render each distinct prompt of ``row_sets`` (``RlRows``) once: ``(table, indices)``.
 
     ``table[k] = (ids, marker site)``; ``indices[j][i]`` is the table entry of row ``i`` of
@@ -102,7 +103,7 @@ def prompt_table(row_sets, tokenizer, spec, prefill: str, source) -> tuple[list[
         for i, prompt in enumerate(rows.prompts):
             key = json.dumps(prompt, sort_keys=True)
             if key not in seen:
-                ids = render_av_ids(tokenizer, prompt, spec.marker, prefill)
+                ids = render_av_ids(tokenizer, prompt, spec.marker, prefill, enable_thinking)
                 try:
                     site = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
                 except ValueError as exc:

@@ -143,3 +143,16 @@ def test_quantization_one_field_for_every_service_and_the_older_key_still_reads(
         warnings.simplefilter("error")
         saved = upgrade_saved_config({"model": {"load_in_4bit": False, "path": "m"}})
         assert build_config(saved, "c").model.quantization == "none"
+
+
+def test_enable_thinking_is_unset_by_default_and_old_runs_keep_false():
+    from shared.config import upgrade_saved_config
+
+    assert build_config({}, "c").prompts.enable_thinking is None
+    assert build_config({"prompts": {"enable_thinking": "unset"}}, "c").prompts.enable_thinking is None
+    assert build_config({"prompts": {"enable_thinking": False}}, "c").prompts.enable_thinking is False
+    with pytest.raises(NlaInputError, match="prompts.enable_thinking"):
+        build_config({"prompts": {"enable_thinking": "maybe"}}, "c")
+    # a run saved before the section rendered with enable_thinking=False, and resumes so
+    assert build_config(upgrade_saved_config({"model": {"path": "m"}}), "c").prompts.enable_thinking is False
+    assert load_config(ROOT / "deploy/tiny.yaml").prompts.enable_thinking is False  # the demo renders as it did

@@ -44,10 +44,14 @@ def test_spec_and_prompts_against_tokenizer(tiny_dir):
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     validate_against_tokenizer(spec, tok)
     rows = read_rows(tiny_dir / "rl.parquet", spec.d_model)
-    ids = render_av_ids(tok, rows.prompts[0], spec.marker, prefill="<explanation>")
+    ids = render_av_ids(tok, rows.prompts[0], spec.marker, prefill="<explanation>", enable_thinking=False)
     p = find_marker_site(ids, spec.marker_id, spec.left_id, spec.right_id)
     assert ids[p] == spec.marker_id and ids[p - 1] == spec.left_id and ids[p + 1] == spec.right_id
     assert tok.decode(ids).endswith("</think>\n\n<explanation>")  # enable_thinking=False + prefill
+    # unset (the default, the reference trainer's rendering): the template is not told, no empty think block
+    unset = render_av_ids(tok, rows.prompts[0], spec.marker, prefill="<explanation>")
+    assert tok.decode(unset).endswith("assistant\n<explanation>") and "<think>" not in tok.decode(unset)
+    assert render_av_ids(tok, rows.prompts[0], spec.marker, enable_thinking=True) == render_av_ids(tok, rows.prompts[0], spec.marker)
     assert has_marker_trigram([5, spec.left_id, spec.marker_id, spec.right_id], spec.marker_id, spec.left_id, spec.right_id)
     assert not has_marker_trigram([spec.marker_id, spec.right_id], spec.marker_id, spec.left_id, spec.right_id)
     with pytest.raises(ValueError, match="found 2 occurrence"):
