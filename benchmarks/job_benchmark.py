@@ -55,6 +55,7 @@ def job_config(root: Path, args) -> dict:
         "placement": {"mode": args.placement, "learner_gpus": 1},
         "weight_sync": {"kind": args.route},
         "injection": {"mode": args.injection},
+        "prompts": {"enable_thinking": False},  # the prompts step_benchmark.py sized and every figure so far used
         "logging": {"eval_every": 0},
         "checkpointing": {"every": 0},
     }
