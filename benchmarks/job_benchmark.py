@@ -42,7 +42,8 @@ def job_config(root: Path, args) -> dict:
     split = args.placement == "split"
     return {
         "seed": 0,
-        "model": {"path": str(root / "model"), "dtype": "float32" if args.placement == "cpu" else "bfloat16"},
+        "model": {"path": str(root / "model"), "dtype": "float32" if args.placement == "cpu" else "bfloat16",
+                  "quantization": args.quantization},
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "gpu_memory_utilization": 0.85 if split else args.vllm_mem,
@@ -73,7 +74,9 @@ def main() -> int:
     ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "broadcast", "file"], default="auto",
                     help="weight_sync.kind (broadcast: NCCL, split only; cuda_ipc: colocated only)")
     ap.add_argument("--injection", choices=["embed", "karvonen"], default="embed",
-                    help="injection.mode (karvonen: vLLM runs eager, without CUDA graphs)")
+                    help="injection.mode (karvonen: the injecting model class, compiled like embed)")
+    ap.add_argument("--quantization", choices=["none", "nf4"], default="none",
+                    help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
     args = ap.parse_args()
     reference = None
     if args.reference:
@@ -91,7 +94,7 @@ def main() -> int:
         args.layers, args.critic_layers, args.lora_r, args.new_tokens = 4, 3, 8, 16
     root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0)
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
-           + ("" if args.injection == "embed" else f"-{args.injection}"))
+           + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}"))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"
