@@ -84,7 +84,8 @@ def _on_engines(services, method: str) -> float:
     return time.time() - t
 
 
-def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
+def _evaluate(services, job: Job, step: int, run: RunDir, log) -> tuple[dict, list[dict]]:
+    """The held-out eval: its metrics, and one record per prompt (also appended to samples.jsonl)."""
     import torch
 
     cfg = job.cfg
@@ -104,7 +105,15 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> dict:
     log(f"  [eval@{step}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%}")
     for r in records[: cfg.logging.samples_printed]:
         log(f"    row {r['row_id']} r={r['reward']:+.3f}: {str(r['explanation'])[:120]!r}")
-    return out
+    return out, records
+
+
+def _eval_table(records: list[dict]):
+    """The eval's explanations as a wandb Table (the reference trainer's dashboards show one)."""
+    import wandb
+
+    columns = ["step", "row_id", "doc_id", "reward", "mse", "explanation", "text"]
+    return wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])
 
 
 def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: RolloutFeed, step: int, version: int, job: Job) -> Path:
@@ -253,8 +262,10 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             # ---- eval ----
             phase = "eval"
             t = time.time()
+            records = None
             if cfg.logging.eval_every and ((step + 1) % cfg.logging.eval_every == 0 or step + 1 == cfg.grpo.steps):
-                row.update(_evaluate(services, job, step, run, log))
+                summary, records = _evaluate(services, job, step, run, log)
+                row.update(summary)
             row["time/eval"] = time.time() - t
 
             # ---- checkpoint ----
@@ -271,7 +282,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if pending is not None:
                 run.commit_checkpoint(pending, step + 1, cfg.checkpointing.keep_last)
             if wandb_run is not None:
-                wandb_run.log(row, step=step)
+                wandb_run.log({**row, "eval/samples": _eval_table(records)} if records else row, step=step)
             if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
                 log(f"step {step:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "
                     f"ext {row['extraction_rate']:.0%} | kl {row.get('kl_mean', float('nan')):.4f} | "
