@@ -10,6 +10,7 @@ engines sample from.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,8 @@ def _check_adapter_targets(peft_config, where: str) -> None:
 
 
 def build_peft_model(cfg, device):
-    """Base + trainable "default" + frozen "reference" (= the initial "default", tensor for tensor)."""
+    """Base + trainable "default" + frozen "reference" (= the initial "default", tensor for tensor, unless
+    ``learner.reference_adapter`` names another adapter)."""
     from peft import PeftModel, get_peft_model
 
     base = load_base_model(cfg, device)
@@ -161,6 +163,19 @@ def build_peft_model(cfg, device):
         with torch.no_grad():
             for key, p in policy.items():
                 reference[key].copy_(p)
+    reference = cfg.learner.reference_adapter
+    if reference and reference != cfg.learner.adapter_init:
+        # the KL anchor given apart from the policy's start (a resumed reference-trainer run: policy = its
+        # iteration's adapter, reference = the AV-SFT one)
+        model.delete_adapter(REFERENCE)
+        model.load_adapter(reference, adapter_name=REFERENCE, is_trainable=False)
+        _check_adapter_targets(model.peft_config[REFERENCE], f"learner.reference_adapter {reference}")
+        _disable_lora_dropout(model)
+        policy, ref = adapter_parameters(model, POLICY), adapter_parameters(model, REFERENCE)
+        if policy.keys() == ref.keys() and all(torch.equal(policy[k].float(), ref[k].float()) for k in policy):
+            warnings.warn(f"learner.reference_adapter {reference}: the policy starts identical to it; a resumed run's "
+                          "policy should have moved away from its reference (is adapter_init the right adapter?)",
+                          RuntimeWarning, stacklevel=2)
     select_adapter(model, POLICY)
     return model
 

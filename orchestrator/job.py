@@ -23,7 +23,8 @@ def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
         "model": cfg.model.model_copy(update={"path": fix(cfg.model.path)}),
         "data": cfg.data.model_copy(update={"parquet": fix(cfg.data.parquet), "sidecar": fix(cfg.data.sidecar)}),
         "critic": cfg.critic.model_copy(update={"checkpoint": fix(cfg.critic.checkpoint)}),
-        "learner": cfg.learner.model_copy(update={"adapter_init": fix(cfg.learner.adapter_init)}),
+        "learner": cfg.learner.model_copy(update={"adapter_init": fix(cfg.learner.adapter_init),
+                                                  "reference_adapter": fix(cfg.learner.reference_adapter)}),
     })
 
 
@@ -45,7 +46,7 @@ class Job:
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
 # (the data's content is checked by its fingerprint instead)
 RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
-                     "critic.checkpoint", "learner.adapter_init")
+                     "critic.checkpoint", "learner.adapter_init", "learner.reference_adapter")
 # what `train --resume --set` may change on purpose: the above, and the learning rates (the run then
 # continues with the new rate from the checkpoint on; editing config.yaml by hand is still refused)
 SET_ON_RESUME = RESUME_MAY_CHANGE + ("learner.lr", "critic.lr")
@@ -148,10 +149,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     cfg = _resolve_critic(cfg, spec)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)
-    else:
+    for adapter in {cfg.learner.adapter_init, cfg.learner.reference_adapter} - {None}:
         from shared.injection import check_adapter_injection
 
-        check_adapter_injection(cfg.learner.adapter_init, cfg, log)
+        check_adapter_injection(adapter, cfg, log)
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:

@@ -147,6 +147,8 @@ class CriticConfig(_Section):
 
 
 class LearnerConfig(_Section):
+    reference_adapter: Optional[str] = None
+    """PEFT directory of the frozen KL reference; None = the policy's starting adapter (adapter_init, or the fresh one)."""
     adapter_init: Optional[str] = None
     """AV-SFT PEFT adapter directory; None = a fresh LoRA. Also the frozen KL reference."""
     lora_r: int = Field(128, ge=1, le=4096)

@@ -341,3 +341,24 @@ def test_adapter_init_from_a_peft_directory_sets_policy_and_reference(tiny_dir, 
     assert {n for n, p in learner.model.named_parameters() if p.requires_grad} == {
         n for n in dict(learner.model.named_parameters()) if f".{POLICY}." in n and "lora_" in n}
     assert learner.logprobs(samples, vectors) == trained.logprobs(samples, vectors)
+
+
+def test_a_reference_adapter_given_apart_from_the_policys_start(tiny_dir, rollouts, tmp_path):
+    """learner.reference_adapter: the KL anchor is that adapter, frozen, while the policy starts from
+    adapter_init (a resumed reference-trainer run); the same content given twice is warned about."""
+    samples, vectors = rollouts["embed"]
+    sft = _learner(tiny_dir, lr=1e-2)
+    sft.save(tmp_path / "sft")
+    moved = _learner(tiny_dir, lr=1e-2, adapter_init=str(tmp_path / "sft" / "policy"))
+    moved.update(samples, _adv(len(samples)), vectors)
+    moved.save(tmp_path / "iter")
+    learner = _learner(tiny_dir, adapter_init=str(tmp_path / "iter" / "policy"), reference_adapter=str(tmp_path / "sft" / "policy"))
+    assert _equal(_adapter(learner, POLICY), _adapter(moved, POLICY))
+    assert _equal(_adapter(learner, REFERENCE), _adapter(sft, POLICY)) and not _equal(_adapter(learner, REFERENCE), _adapter(moved, POLICY))
+    assert all(not p.requires_grad for p in learner.policy.adapter_parameters(REFERENCE).values())
+    # the reference forward is the SFT adapter's: its logprobs are the SFT learner's own
+    assert learner.logprobs(samples, vectors, REFERENCE) == sft.logprobs(samples, vectors)
+    import shutil
+    shutil.copytree(tmp_path / "iter" / "policy", tmp_path / "same")
+    with pytest.warns(RuntimeWarning, match="the policy starts identical to it"):
+        _learner(tiny_dir, adapter_init=str(tmp_path / "iter" / "policy"), reference_adapter=str(tmp_path / "same"))
