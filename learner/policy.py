@@ -211,7 +211,8 @@ class Policy:
         self.model = build_peft_model(cfg, device)
         self.mode = cfg.injection.mode
         emb = self.model.get_input_embeddings()
-        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(emb.weight))
+        # karvonen adds ||h||·v/||v||: no scale (the sidecar may have none)
+        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(emb.weight)) if cfg.injection.mode == "embed" else None
         self.hook = KarvonenHook(self.model, cfg.injection.karvonen_layer) if self.mode == "karvonen" else None
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0

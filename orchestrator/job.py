@@ -139,6 +139,8 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (config model.path)")
     spec = load_spec(cfg.data.sidecar or sidecar_path(cfg.data.parquet))
+    if cfg.injection.mode == "embed":
+        spec.require_injection_scale(cfg.injection.scale)
     hidden = model_hidden_size(model_dir)
     if hidden is not None and hidden != spec.d_model:
         raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")

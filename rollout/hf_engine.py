@@ -47,7 +47,8 @@ class HfEngine(RolloutEngine):
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)
-        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.model.get_input_embeddings().weight))
+        self.scale = (spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.model.get_input_embeddings().weight))
+                      if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.mode = cfg.injection.mode
         self.hook = KarvonenHook(self.model, cfg.injection.karvonen_layer) if self.mode == "karvonen" else None
         pad = self.tokenizer.pad_token_id

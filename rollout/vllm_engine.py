@@ -136,7 +136,8 @@ class VllmEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)
         self.embed_weight = load_embed_tokens(path, dtype=self.dtype)
-        self.scale = spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.embed_weight))
+        self.scale = (spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.embed_weight))
+                      if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id)

@@ -66,9 +66,16 @@ class InjectionConfig(_Section):
     """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block
     (with vLLM through hooks in its worker, so the engine runs eager: no torch.compile, no CUDA graphs)."""
     scale: Optional[str] = None
-    """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw'."""
+    """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw' (needed where the
+    sidecar has none, as the official release's have)."""
     karvonen_layer: int = Field(1, ge=0, le=256)
     """Decoder block after which karvonen mode adds the vector."""
+
+    @field_validator("scale", mode="before")
+    @classmethod
+    def _number(cls, v):
+        # YAML and --set read 12.5 as a number: kept as its text, as a keyword is
+        return repr(float(v)) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
     @field_validator("scale")
     @classmethod

@@ -1,9 +1,17 @@
 """The NLA spec: the official sidecar ``<parquet>.nla_meta.yaml``, validated against the live tokenizer.
 
-Sidecar fields read: ``base_model``; ``extraction.{d_model, layer_index, injection_scale, mse_scale}``;
-``tokens.{injection_char, injection_token_id, injection_left_neighbor_id, injection_right_neighbor_id}``;
-``prompt_templates.{av, ar}`` (``actor``/``critic`` accepted as aliases). The AV template holds
-``{injection_char}``; the AR template holds ``{explanation}``.
+The official release's dataset sidecar (``kind: nla_dataset``, ``schema_version: 1``) is read as it is
+written: ``extraction.{base_model, d_model, layer_index}``, ``tokens.{injection_char,
+injection_token_id, injection_left_neighbor_id, injection_right_neighbor_id, critic_suffix_ids}``,
+``prompt_templates.{actor, critic}`` (``av`` / ``ar``, the names its released checkpoints use, too).
+The AV template holds ``{injection_char}``; the AR template holds ``{explanation}``.
+
+The scales: the official pipeline passes the injection scale to its trainer on the command line, so
+its dataset sidecars carry none; here it comes from the config (``injection.scale``) or from an
+``injection_scale`` key of the sidecar (top level, which the official readers ignore, or under
+``extraction`` as older sidecars of this project have it). A run in ``embed`` mode with neither is
+refused; nothing silently means "raw". ``mse_scale`` defaults to ``sqrt_d_model``, as there.
+Older sidecars of this project (``schema_version: 2``, ``base_model`` at the top level) still read.
 """
 from __future__ import annotations
 
@@ -17,6 +25,9 @@ from shared.prompts import as_ids, find_marker_site, render_av_ids
 from shared.schema import resolve_scale
 
 SIDECAR_SUFFIX = ".nla_meta.yaml"
+DATASET_KIND = "nla_dataset"
+SCHEMA_VERSIONS = (1, 2)  # 1: the official release's; 2: this project's older tiny sidecars
+SCALE_CHOICES = "a positive number, 'sqrt_d_model', 'embed_norm' or 'raw'"
 
 
 def sidecar_path(parquet: str | Path) -> Path:
@@ -45,8 +56,15 @@ class NlaSpec:
     def mse_scale(self) -> float | None:
         return resolve_scale(self.mse_scale_raw, self.d_model)
 
+    def require_injection_scale(self, override=None) -> None:
+        """One line when neither the config (``override``) nor the sidecar gives the injection scale."""
+        if override is None and self.injection_scale_raw is None:
+            raise NlaInputError(self.path, f"injection_scale: missing (the official pipeline leaves it to the trainer); "
+                                           f"set injection.scale in the config: {SCALE_CHOICES}")
+
     def injection_scale(self, override=None, embed_norm: float | None = None) -> float | None:
         """Target norm of the injected vector; ``embed_norm`` resolves the 'embed_norm' keyword."""
+        self.require_injection_scale(override)
         raw = self.injection_scale_raw if override is None else override
         if isinstance(raw, str) and raw.strip().lower() == "embed_norm":
             if embed_norm is None:
@@ -84,17 +102,21 @@ def load_spec(path: str | Path) -> NlaSpec:
         raise NlaInputError(p, "sidecar is not valid YAML") from None
     if not isinstance(meta, dict):
         raise NlaInputError(p, "expected a mapping at the top level")
+    if meta.get("kind", DATASET_KIND) != DATASET_KIND:
+        raise NlaInputError(p, f"kind: expected {DATASET_KIND} (a dataset sidecar), found {meta.get('kind')!r}")
+    if meta.get("schema_version", 1) not in SCHEMA_VERSIONS:
+        raise NlaInputError(p, f"schema_version: expected one of {list(SCHEMA_VERSIONS)}, found {meta.get('schema_version')!r}")
     ext = meta.get("extraction") or {}
     tok = meta.get("tokens") or {}
     tpl = meta.get("prompt_templates") or {}
     tpl = {"av": tpl.get("av") or tpl.get("actor"), "ar": tpl.get("ar") or tpl.get("critic")}
     spec = NlaSpec(
         path=p,
-        base_model=str(meta.get("base_model") or ""),
+        base_model=str(ext.get("base_model") or meta.get("base_model") or ""),
         d_model=_need(ext, "d_model", int, p, "extraction."),
         layer_index=_need(ext, "layer_index", int, p, "extraction."),
-        injection_scale_raw=ext.get("injection_scale"),
-        mse_scale_raw=ext.get("mse_scale", "sqrt_d_model"),
+        injection_scale_raw=meta.get("injection_scale", ext.get("injection_scale")),
+        mse_scale_raw=meta.get("mse_scale", ext.get("mse_scale", "sqrt_d_model")),
         marker=_need(tok, "injection_char", str, p, "tokens."),
         marker_id=_need(tok, "injection_token_id", int, p, "tokens."),
         left_id=_need(tok, "injection_left_neighbor_id", int, p, "tokens."),
@@ -105,7 +127,7 @@ def load_spec(path: str | Path) -> NlaSpec:
     if spec.d_model < 1 or spec.layer_index < 0:
         raise NlaInputError(p, f"extraction: expected d_model >= 1 and layer_index >= 0, found {spec.d_model}, {spec.layer_index}")
     for field, raw in (("injection_scale", spec.injection_scale_raw), ("mse_scale", spec.mse_scale_raw)):
-        if isinstance(raw, str) and raw.strip().lower() == "embed_norm":
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() == "embed_norm"):
             continue
         try:
             resolve_scale(raw, spec.d_model)

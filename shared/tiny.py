@@ -190,15 +190,24 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         (tmp / "topics.json").write_text(json.dumps(topics))
         marker_id = tok.convert_tokens_to_ids(MARKER)
         embed_norm = float(torch.linalg.vector_norm(model.get_input_embeddings().weight.detach(), dim=-1).mean())
+        # the official release's dataset sidecar (kind nla_dataset, schema_version 1), field for field; its
+        # pipeline hands the scales to the trainer on the command line, this one records them at the top
+        # level, which the official readers ignore
         meta = {
-            "kind": "nla_dataset", "schema_version": 2, "stage": "rl", "base_model": "model",
-            "extraction": {"d_model": HIDDEN, "layer_index": LAYER_INDEX, "injection_scale": round(embed_norm, 4), "mse_scale": "sqrt_d_model"},
+            "kind": "nla_dataset", "schema_version": 1, "dataset_id": f"rl_tiny_L{LAYER_INDEX}_seed{seed}",
+            "stage": "rl", "row_count": len(doc_ids),
+            "extraction": {"base_model": "model", "d_model": HIDDEN, "layer_index": LAYER_INDEX, "norm": "none",
+                           "corpus": "tiny-topics", "corpus_slice": {"start": 0, "length": n_docs},
+                           "positions_per_doc": ROWS_PER_DOC},
+            "keep_debug_metadata": False,
             "tokens": {
                 "injection_char": MARKER, "injection_token_id": marker_id,
                 "injection_left_neighbor_id": tok.convert_tokens_to_ids(CONCEPT_OPEN),
                 "injection_right_neighbor_id": tok.convert_tokens_to_ids(CONCEPT_CLOSE),
+                "critic_suffix_ids": None,
             },
-            "prompt_templates": {"av": AV_TEMPLATE, "ar": AR_TEMPLATE},
+            "prompt_templates": {"actor": AV_TEMPLATE, "critic": AR_TEMPLATE},
+            "injection_scale": round(embed_norm, 4), "mse_scale": "sqrt_d_model",
         }
         (tmp / "rl.parquet.nla_meta.yaml").write_text(yaml.safe_dump(meta, sort_keys=False, allow_unicode=True), encoding="utf-8")
         tmp.chmod(0o755)

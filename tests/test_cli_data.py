@@ -10,7 +10,7 @@ import yaml
 from shared.data import read_rows
 from shared.tiny import write_rl_parquet
 
-from conftest import run_cli
+from conftest import ROOT, run_cli
 
 
 def _copy_dataset(tiny_dir, dst):
@@ -18,7 +18,7 @@ def _copy_dataset(tiny_dir, dst):
     dst.mkdir(parents=True, exist_ok=True)
     shutil.copy(tiny_dir / "rl.parquet", dst / "rl.parquet")
     meta = yaml.safe_load((tiny_dir / "rl.parquet.nla_meta.yaml").read_text())
-    meta["base_model"] = str(tiny_dir / "model")
+    meta["extraction"]["base_model"] = str(tiny_dir / "model")
     (dst / "rl.parquet.nla_meta.yaml").write_text(yaml.safe_dump(meta, allow_unicode=True))
     return dst / "rl.parquet", meta
 
@@ -203,3 +203,32 @@ def test_a_damaged_row_group_is_one_line_naming_it(tmp_path, tiny_dir, column):
     data[middle] ^= 0xFF
     path.write_bytes(bytes(data))
     _expect_error(run_cli("data", "check", path), str(path), f"row group 2 of {meta.num_row_groups} (rows 256-383) is damaged")
+
+
+def test_the_tiny_sidecar_is_the_official_format_and_official_sidecars_read(tmp_path, tiny_dir):
+    from official_format import official_dataset_problems
+    from shared.spec import load_spec
+
+    meta = yaml.safe_load((tiny_dir / "rl.parquet.nla_meta.yaml").read_text())
+    assert official_dataset_problems(meta) == []
+    assert meta["row_count"] == pq.ParquetFile(tiny_dir / "rl.parquet").metadata.num_rows
+    # an official sidecar as its pipeline writes it: no scales, base_model under extraction
+    path, _ = _copy_dataset(tiny_dir, tmp_path)
+    side = path.with_name(path.name + ".nla_meta.yaml")
+    official = yaml.safe_load(side.read_text())
+    scale = official.pop("injection_scale")
+    official.pop("mse_scale")
+    assert official_dataset_problems(official) == []
+    side.write_text(yaml.safe_dump(official, allow_unicode=True))
+    spec = load_spec(side)
+    assert spec.base_model == str(tiny_dir / "model") and spec.mse_scale_raw == "sqrt_d_model" and spec.injection_scale_raw is None
+    # a missing scale never silently means raw: a run says so before anything starts, unless the config sets it
+    res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", "--set", f"data.parquet={path}", "--set", f"model.path={tiny_dir / 'model'}")
+    _expect_error(res, "nla_meta.yaml: injection_scale: missing", "set injection.scale in the config")
+    res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", "--set", f"data.parquet={path}", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"injection.scale={scale}")
+    assert res.returncode == 0, res.stderr
+    # a model sidecar, or another schema, is not a dataset sidecar
+    for key, value, needle in (("kind", "nla_model", "kind: expected nla_dataset"), ("schema_version", 7, "schema_version: expected one of")):
+        side.write_text(yaml.safe_dump({**official, key: value}, allow_unicode=True))
+        _expect_error(run_cli("data", "check", path), "nla_meta.yaml", needle)

@@ -203,7 +203,7 @@ def test_save_is_atomic_and_overwrites(tiny_dir, rollouts, tmp_path):
     learner.save(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old directories left
     assert json.loads((target / "learner_state.json").read_text())["step"] == 1
-    assert {p.name for p in (target / "policy").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    assert {p.name for p in (target / "policy").iterdir()} == {"adapter_model.safetensors", "adapter_config.json", "nla_injection.json"}
     with pytest.raises(FileNotFoundError, match="not a learner checkpoint"):
         learner.load(tmp_path)
 
@@ -253,7 +253,9 @@ def test_mismatched_samples_are_masked_out_of_the_loss(tiny_dir, rollouts):
     keep = [i for i in range(len(samples)) if i != 2]
     g_without, stats_without = _grads(learner, [samples[i] for i in keep], [adv[i] for i in keep], vectors[keep])
     assert stats["kept"] == len(samples) - 1
-    assert max((g_masked[k] - g_without[k]).abs().max().item() for k in g_masked) <= 1e-6
+    # fp32 rounding only: without the sample the rows pack differently, so sums run in another order
+    scale = max(g_without[k].abs().max().item() for k in g_without)
+    assert max((g_masked[k] - g_without[k]).abs().max().item() for k in g_masked) <= 1e-5 * max(scale, 1.0)
     assert stats["loss"] == pytest.approx(stats_without["loss"], abs=1e-6)
     with pytest.warns(RuntimeWarning, match="1/6 samples masked"):
         m = learner.update(broken, adv, vectors)
