@@ -151,10 +151,14 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     cfg = _resolve_critic(cfg, spec)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)
-    for adapter in {cfg.learner.adapter_init, cfg.learner.reference_adapter} - {None}:
-        from shared.injection import check_adapter_injection
+    for field in ("adapter_init", "reference_adapter"):
+        adapter = getattr(cfg.learner, field)
+        if adapter is not None:
+            from shared.check import check_adapter_dir
+            from shared.injection import check_adapter_injection
 
-        check_adapter_injection(adapter, cfg, log)
+            check_adapter_injection(adapter, cfg, log)
+            check_adapter_dir(adapter, model_dir, f"learner.{field}")
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:

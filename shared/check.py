@@ -92,3 +92,52 @@ def check_target_modules(model_dir, target_modules: list[str], field: str = "lea
     if missing:
         raise NlaInputError("config", f"{field}: {missing} not among the linear modules of {model_dir} "
                                       f"({', '.join(sorted(linear - {'lm_head'}))})")
+
+
+def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
+    """A PEFT adapter directory the learner will load (``learner.adapter_init`` / ``reference_adapter``),
+    checked before any actor starts: its config and tensor file (safetensors: a pickled ``.bin`` is
+    refused), targets that are linear modules of the model and not the embeddings or the head, and
+    every LoRA tensor's shape against its module's (read from the header and a meta-device model)."""
+    import re
+
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(adapter_dir)
+    cfg_path, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+    if not cfg_path.is_file():
+        raise NlaInputError(d, f"{field}: expected a PEFT adapter directory (no adapter_config.json)")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise NlaInputError(cfg_path, "not valid JSON") from None
+    if not weights.is_file():
+        found = "adapter_model.bin, which would need unpickling" if (d / "adapter_model.bin").is_file() else "none"
+        raise NlaInputError(d, f"{field}: expected adapter_model.safetensors, found {found}")
+    targets = raw.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if any("embed" in t or "lm_head" in t for t in targets) or raw.get("modules_to_save"):
+        raise NlaInputError(cfg_path, f"target_modules: expected linear layers only (an embedding or head LoRA crashes "
+                                      f"vLLM under prompt embeddings), found {targets}, modules_to_save={raw.get('modules_to_save')}")
+    check_target_modules(model_dir, targets, f"{field} {d}: target_modules")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    linear = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # a damaged header: the file's own one-line reason
+        raise NlaInputError(weights, f"not a readable safetensors file ({(str(exc).splitlines() or [''])[0][:100]})") from None
+    for key, shape in shapes.items():
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        module = linear.get(m.group(1)) if m else None
+        if m is None or module is None:
+            raise NlaInputError(weights, f"{key}: not a LoRA tensor of a linear module of {model_dir}")
+        # the module's rank: its rank_pattern entry, else r
+        pattern = raw.get("rank_pattern") or {}
+        r = next((int(v) for k, v in pattern.items() if re.search(rf"(^|\.){re.escape(k)}$", m.group(1))), int(raw.get("r", shape[0])))
+        want = (r, module.in_features) if m.group(2) == "A" else (module.out_features, r)
+        if shape != want:
+            raise NlaInputError(weights, f"{key}: expected shape {want} for {m.group(1)} of {model_dir}, found {shape}")

@@ -122,3 +122,43 @@ def test_auto_weight_sync_follows_placement(tiny_dir, mode, route, resolved):
     raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
            "placement": {"mode": mode}, "weight_sync": {"kind": route}}
     assert build_config(raw, "t").weight_sync.kind == resolved
+
+
+def test_an_adapter_directory_is_checked_before_any_actor(tiny_dir, tmp_path):
+    """Config, tensor file, targets and every LoRA shape, from the header and a meta-device model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from shared.check import check_adapter_dir
+
+    good = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
+    check_adapter_dir(good, tiny_dir / "model", "learner.adapter_init")
+    bad = tmp_path / "bad"
+
+    def variant(edit_config=None, edit_tensors=None, drop=None):
+        import shutil
+        shutil.rmtree(bad, ignore_errors=True)
+        shutil.copytree(good, bad)
+        if edit_config:
+            raw = json.loads((bad / "adapter_config.json").read_text())
+            (bad / "adapter_config.json").write_text(json.dumps(edit_config(raw)))
+        if edit_tensors:
+            t = load_file(str(bad / "adapter_model.safetensors"))
+            save_file(edit_tensors(t), str(bad / "adapter_model.safetensors"))
+        if drop:
+            (bad / drop).rename(bad / "adapter_model.bin")
+        return bad
+
+    def transposed(t):
+        key = next(k for k in t if "lora_A" in k)
+        return {**t, key: t[key].t().contiguous()}
+
+    for make, needle in (
+        (lambda: variant(edit_tensors=transposed), r"q_proj.lora_A.weight: expected shape \(4, 64\) for .*q_proj of .*, found \(64, 4\)"),
+        (lambda: variant(edit_config=lambda r: {**r, "target_modules": ["q_proj", "embed_tokens"]}), "expected linear layers only"),
+        (lambda: variant(edit_config=lambda r: {**r, "target_modules": ["q_proj", "qq_proj"]}), r"\['qq_proj'\] not among the linear modules"),
+        (lambda: variant(drop="adapter_model.safetensors"), "found adapter_model.bin, which would need unpickling"),
+    ):
+        with pytest.raises(NlaInputError, match=needle):
+            check_adapter_dir(make(), tiny_dir / "model", "learner.adapter_init")
