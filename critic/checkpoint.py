@@ -154,9 +154,5 @@ def check_frozen_record(record: str | Path, checkpoint: str | Path | None) -> No
     if (raw["source"] == "model") != (checkpoint is None):
         now = f"critic.checkpoint {checkpoint}" if checkpoint else "the base model (no critic.checkpoint)"
         raise NlaInputError(record, f"the frozen critic came from {raw['source']}, this run builds it from {now}")
-    for name, digest in raw["sha256"].items():
-        f = Path(checkpoint) / name
-        if not f.is_file():
-            raise NlaInputError(record, f"the frozen critic's file is missing: {f}")
-        if fileio.sha256_file(f) != digest:
-            raise NlaInputError(record, f"critic.checkpoint has changed since the checkpoint was written (SHA-256 of {f} differs)")
+    if raw["sha256"]:
+        fileio.verify_digests(record, checkpoint, raw["sha256"], "critic.checkpoint")

@@ -27,9 +27,8 @@ def sample_metrics(rewards: list[float], mses: list[float | None], advantages, t
     explanation could not be scored, counts in ``reward_mean_all`` and the extraction rate only)."""
     valid = [m for m in mses if m is not None]
     valid_rewards = [r for r, m in zip(rewards, mses) if m is not None]
-    mse = _stat(valid, np.mean)
-    fve = 1.0 - mse / fve_baseline if valid else float("nan")
-    fve_meannorm = 1.0 - mse / fve_baseline_meannorm if valid else float("nan")
+    mse = _stat(valid, np.mean)  # NaN without a valid sample, and so are the FVEs
+    fve, fve_meannorm = 1.0 - mse / fve_baseline, 1.0 - mse / fve_baseline_meannorm
     adv = np.asarray(advantages, dtype=np.float64)
     return {
         "reward_mean": _stat(valid_rewards, np.mean), "reward_mean_all": _stat(rewards, np.mean),
@@ -49,11 +48,11 @@ def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: f
     """The held-out eval's summary under this project's names and the reference trainer's."""
     valid = [m for m in mses if m is not None]
     mse = _stat(valid, np.mean)
-    fve = 1.0 - mse / fve_baseline if valid else float("nan")
+    fve = 1.0 - mse / fve_baseline
     return {
         "eval/reward_mean": _stat(rewards, np.mean),
         "eval/reward_mean_valid": _stat([r for r, m in zip(rewards, mses) if m is not None], np.mean),
         "eval/mse_mean": mse, "eval/mse_mean_valid": mse,
-        "eval/fve": fve, "eval/fve_pct": fve * 100.0 if not math.isnan(fve) else float("nan"),
+        "eval/fve": fve, "eval/fve_pct": fve * 100.0,
         "eval/extraction_rate": len(valid) / len(mses) if mses else float("nan"),
     }

@@ -1,6 +1,7 @@
 """``nla-grpo data check``: validate an RL parquet against its sidecar and the live tokenizer."""
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -79,15 +80,22 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
     return summary
 
 
-def check_target_modules(model_dir, target_modules: list[str], field: str = "learner.target_modules") -> None:
-    """Every LoRA target names a linear module of the model (checked on the meta device: no weights are
-    read), so a typo stops before any actor starts instead of inside one."""
+@functools.lru_cache(maxsize=4)
+def _linear_modules(model_dir: str) -> dict[str, tuple[int, int]]:
+    """``{module name: (in_features, out_features)}`` of every linear layer of the model, from a model
+    built on the meta device (no weights are read); built once per model for all the checks below."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def check_target_modules(model_dir, target_modules: list[str], field: str = "learner.target_modules") -> None:
+    """Every LoRA target names a linear module of the model (checked on the meta device: no weights are
+    read), so a typo stops before any actor starts instead of inside one."""
+    linear = {name.rsplit(".", 1)[-1] for name in _linear_modules(str(model_dir))}
     missing = [t for t in target_modules if t not in linear]
     if missing:
         raise NlaInputError("config", f"{field}: {missing} not among the linear modules of {model_dir} "
@@ -101,9 +109,7 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
     every LoRA tensor's shape against its module's (read from the header and a meta-device model)."""
     import re
 
-    import torch
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     d = Path(adapter_dir)
     cfg_path, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
@@ -122,9 +128,7 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
         raise NlaInputError(cfg_path, f"target_modules: expected linear layers only (an embedding or head LoRA crashes "
                                       f"vLLM under prompt embeddings), found {targets}, modules_to_save={raw.get('modules_to_save')}")
     check_target_modules(model_dir, targets, f"{field} {d}: target_modules")
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
-    linear = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linear = _linear_modules(str(model_dir))
     try:
         with safe_open(str(weights), framework="pt") as f:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -138,6 +142,6 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
         # the module's rank: its rank_pattern entry, else r
         pattern = raw.get("rank_pattern") or {}
         r = next((int(v) for k, v in pattern.items() if re.search(rf"(^|\.){re.escape(k)}$", m.group(1))), int(raw.get("r", shape[0])))
-        want = (r, module.in_features) if m.group(2) == "A" else (module.out_features, r)
+        want = (r, module[0]) if m.group(2) == "A" else (module[1], r)
         if shape != want:
             raise NlaInputError(weights, f"{key}: expected shape {want} for {m.group(1)} of {model_dir}, found {shape}")

@@ -251,10 +251,17 @@ def resolve_reference(record: str | Path, verify: bool = True) -> Path:
     if raw.get("format") != REFERENCE_FORMAT or not isinstance(raw.get("path"), str) or not isinstance(raw.get("sha256"), dict):
         raise NlaInputError(record, f"expected a {REFERENCE_FORMAT} record (format, path, sha256)")
     target = (record.parent / raw["path"]).resolve()
-    for name, digest in raw["sha256"].items() if verify else ():
-        f = target / name
-        if not f.is_file():
-            raise NlaInputError(record, f"the frozen file it references is missing: {f}")
-        if sha256_file(f) != digest:
-            raise NlaInputError(record, f"the frozen file it references has changed since the checkpoint (SHA-256 differs): {f}")
+    if verify:
+        verify_digests(record, target, raw["sha256"], "the frozen file it references")
     return target
+
+
+def verify_digests(record: str | Path, directory: str | Path, digests: dict, what: str) -> None:
+    """Every ``{name: sha256}`` of ``digests`` is a file of ``directory`` with that SHA-256; a one-line
+    error naming ``record`` (where the digests were recorded) and the file otherwise."""
+    for name, digest in digests.items():
+        f = Path(directory) / name
+        if not f.is_file():
+            raise NlaInputError(record, f"{what} is missing: {f}")
+        if sha256_file(f) != digest:
+            raise NlaInputError(record, f"{what} has changed since the checkpoint was written (SHA-256 differs): {f}")
