@@ -26,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,37 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import step_benchmark  # noqa: E402  (the shared workload: model shape, data, options)
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
+
+
+class DeviceMemory:
+    """Peak memory in use on the fullest GPU (every process on it: vLLM, learner, critic), polled with nvidia-smi
+    from outside the job so that the benchmark itself holds no CUDA context; NaN without nvidia-smi."""
+
+    def __enter__(self):
+        self.peak_gib = float("nan")
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                          "-lms", "500"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return self
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            if not line.strip():
+                continue
+            mib = float(line)  # one line per GPU per poll
+            self.peak_gib = mib / 1024 if self.peak_gib != self.peak_gib else max(self.peak_gib, mib / 1024)
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.thread.join(timeout=5)
+        return False
 
 
 def job_config(root: Path, args) -> dict:
@@ -51,7 +83,7 @@ def job_config(root: Path, args) -> dict:
                     "sleep_during_update": args.sleep},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
-                    "lr": 1e-6, "optimizer": "auto"},
+                    "lr": 1e-6, "optimizer": args.optimizer},
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap},
         "placement": {"mode": args.placement, "learner_gpus": 1},
         "weight_sync": {"kind": args.route},
@@ -75,6 +107,8 @@ def main() -> int:
                     help="weight_sync.kind (broadcast: NCCL, split only; cuda_ipc: colocated only)")
     ap.add_argument("--injection", choices=["embed", "karvonen"], default="embed",
                     help="injection.mode (karvonen: the injecting model class, compiled like embed)")
+    ap.add_argument("--optimizer", choices=["auto", "adamw", "adamw8bit"], default="adamw",
+                    help="learner.optimizer (adamw: what every figure before bitsandbytes used)")
     ap.add_argument("--quantization", choices=["none", "nf4"], default="none",
                     help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
     args = ap.parse_args()
@@ -101,7 +135,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
     print("[job]", " ".join(cmd), flush=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    with DeviceMemory() as memory:
+        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         print(f"[job] failed with exit code {proc.returncode}", file=sys.stderr)
@@ -115,6 +150,7 @@ def main() -> int:
     res = {
         "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
         "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
+        "device_memory_peak_gib": memory.peak_gib,
         "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
         "logprob_mismatch_k3": [r["logprob_mismatch_k3"] for r in rows],
     }
@@ -128,7 +164,8 @@ def main() -> int:
     for k, v in med.items():
         print(f"| {k} | {v:.2f} |")
     print(f"\nsamples/s {res['samples_per_s']:.1f}; mean response {res['mean_resp_len']:.0f} tokens; "
-          f"speedup vs reference-style {res.get('speedup', float('nan')):.1f}x; job wall {wall:.0f}s")
+          f"speedup vs reference-style {res.get('speedup', float('nan')):.1f}x; job wall {wall:.0f}s; "
+          f"device memory peak {memory.peak_gib:.1f} GiB")
     return 0
 
 

@@ -148,6 +148,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks:
         raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 1} ({model_dir} has {blocks} "
                             f"decoder blocks), found {cfg.injection.karvonen_layer}")
+    if cfg.model.quantization == "nf4" and cfg.rollout.backend == "vllm":
+        from shared.check import check_quantization_source
+
+        check_quantization_source(model_dir, cfg.model.dtype)
     cfg = _resolve_critic(cfg, spec)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)

@@ -145,3 +145,32 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
         want = (r, module[0]) if m.group(2) == "A" else (module[1], r)
         if shape != want:
             raise NlaInputError(weights, f"{key}: expected shape {want} for {m.group(1)} of {model_dir}, found {shape}")
+
+
+_SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def check_quantization_source(model_dir, dtype: str) -> None:
+    """``model.quantization: nf4`` with vLLM: vLLM quantises the weights as the checkpoint stores them,
+    the learner and the critic quantise them after the cast to ``model.dtype``. When the two differ
+    (an F32 checkpoint, bf16 compute) a few percent of the weights fall in the neighbouring NF4 bin and
+    the rollout samples another base (measured on the tiny model on an H200: k3 1.1e-2 against 2e-4 for
+    the bf16 pair; from a bf16 checkpoint the NF4 pair sits at the bf16 floor). Read from the safetensors
+    headers only; a checkpoint already saved quantised is left to the loaders."""
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    raw = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    if raw.get("quantization_config"):
+        return
+    want = _SAFETENSORS_DTYPE[dtype]
+    for path in sorted(d.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.endswith("proj.weight"):
+                    found = f.get_slice(key).get_dtype()
+                    if found != want:
+                        raise NlaInputError(d, f"model.quantization nf4: the checkpoint stores its linear weights as {found} "
+                                               f"({key}) and model.dtype is {dtype}; vLLM would quantise the stored values "
+                                               f"and the learner the {dtype} ones, two different bases: save the model in "
+                                               f"{dtype} first (model.to(torch.{dtype}).save_pretrained(DIR))")

@@ -135,18 +135,40 @@ def load_tensors(path: str | Path) -> dict:
 
 # ---- optimiser state ----------------------------------------------------------------------------
 def split_optimizer_state(state_dict: dict) -> tuple[dict, dict]:
-    """``optimizer.state_dict()`` -> (tensors keyed ``state.<param>.<key>``, JSON-safe rest)."""
+    """``optimizer.state_dict()`` -> (tensors keyed ``state.<param>.<key>``, JSON-safe rest).
+
+    One level of nesting is kept (``state.<param>.<key>.<inner>``): bitsandbytes' 8-bit optimisers
+    wrap their quantised moments and absmax tensors in a dict under one key of each parameter's state.
+    """
     import torch
 
     tensors, scalars = {}, {}
+
+    def put(pid, key, value, inner=None):
+        name = key if inner is None else f"{key}.{inner}"
+        if isinstance(value, torch.Tensor):
+            tensors[f"state.{pid}.{name}"] = cpu_copy(value)
+        elif isinstance(value, _PRIMITIVES):
+            slot = scalars.setdefault(str(pid), {})
+            if inner is None:
+                slot[key] = value
+            else:
+                slot.setdefault(key, {})[inner] = value
+        elif isinstance(value, dict) and inner is None:
+            for k, v in value.items():
+                if "." in str(k):
+                    raise TypeError(f"optimizer state {pid}.{key}.{k}: a key with a dot cannot be stored")
+                put(pid, key, v, k)
+            if not value:
+                scalars.setdefault(str(pid), {})[key] = {}
+        else:
+            raise TypeError(f"optimizer state {pid}.{name}: cannot store a {type(value).__name__}")
+
     for pid, entry in state_dict["state"].items():
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"state.{pid}.{key}"] = cpu_copy(value)
-            elif isinstance(value, _PRIMITIVES):
-                scalars.setdefault(str(pid), {})[key] = value
-            else:
-                raise TypeError(f"optimizer state {pid}.{key}: cannot store a {type(value).__name__}")
+            if "." in str(key):
+                raise TypeError(f"optimizer state {pid}.{key}: a key with a dot cannot be stored")
+            put(pid, key, value)
     groups = []
     for group in state_dict["param_groups"]:
         for key, value in group.items():
@@ -162,9 +184,19 @@ def join_optimizer_state(tensors: dict, meta: dict) -> dict:
     state: dict[int, dict] = {}
     for name, value in tensors.items():
         _, pid, key = name.split(".", 2)
-        state.setdefault(int(pid), {})[key] = value
-    for pid, entry in meta.get("scalars", meta.get("state_scalars", {})).items():
-        state.setdefault(int(pid), {}).update(entry)
+        entry = state.setdefault(int(pid), {})
+        if "." in key:
+            outer, inner = key.split(".", 1)
+            entry.setdefault(outer, {})[inner] = value
+        else:
+            entry[key] = value
+    for pid, scalars in meta.get("scalars", meta.get("state_scalars", {})).items():
+        entry = state.setdefault(int(pid), {})
+        for key, value in scalars.items():
+            if isinstance(value, dict):
+                entry.setdefault(key, {}).update(value)
+            else:
+                entry[key] = value
     tuple_keys = set(meta["tuple_keys"] if "tuple_keys" in meta else ["betas"])
     groups = [{k: tuple(v) if k in tuple_keys and isinstance(v, list) else v for k, v in g.items()}
               for g in meta["param_groups"]]

@@ -20,6 +20,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@pytest.fixture(scope="module")
+def tiny_bf16_dir(tiny_dir, tmp_path_factory):
+    """The tiny fixture with its model stored in bf16: NF4 runs need the checkpoint in the compute dtype
+    (vLLM quantises the stored weights, the learner the cast ones; ``shared.check.check_quantization_source``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("bf16") / "tiny"
+    shutil.copytree(tiny_dir, out)
+    for f in (out / "model").glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    return out
+
+
 def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none") -> list[float]:
     """Three pushes with training between, each followed by a rollout that the learner rescores;
     returns each push's k3 (and checks mean |Δlogp| and k3 at the bf16 noise level)."""
@@ -76,14 +91,14 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
 
 
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])
-def test_nf4_vllm_matches_the_nf4_learner(tiny_dir, mode):
+def test_nf4_vllm_matches_the_nf4_learner(tiny_bf16_dir, mode):
     """vLLM's in-flight NF4 of the bf16 checkpoint against the learner's NF4 double-quant base: k3
     within 2x of the bf16 pair's in the same test (NF4 on one side only is ~3000x above it)."""
     pytest.importorskip("vllm")
     pytest.importorskip("bitsandbytes")
     injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
-    bf16 = _parity_k3(tiny_dir, "memory", injection, "none")
-    nf4 = _parity_k3(tiny_dir, "memory", injection, "nf4")
+    bf16 = _parity_k3(tiny_bf16_dir, "memory", injection, "none")
+    nf4 = _parity_k3(tiny_bf16_dir, "memory", injection, "nf4")
     print(f"{mode}: k3 bf16 {bf16}, nf4 {nf4}")
     assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
 
@@ -164,10 +179,10 @@ def test_an_imported_4bit_ar_predicts_what_a_reference_style_nf4_critic_predicts
     assert (ours - theirs).abs().max().item() <= 1e-3, (ours - theirs).abs().max()
 
 
-def test_colocated_nf4_job_runs_with_logprobs_at_the_noise_floor(tiny_dir, tmp_path):
+def test_colocated_nf4_job_runs_with_logprobs_at_the_noise_floor(tiny_bf16_dir, tmp_path):
     """The reference trainer's default precision through the whole job: NF4 learner, vLLM in flight, critic."""
     pytest.importorskip("bitsandbytes")
-    rows = _gpu_job(tiny_dir, tmp_path / "nf4", 20, "placement.mode=colocated", "model.quantization=nf4",
+    rows = _gpu_job(tiny_bf16_dir, tmp_path / "nf4", 20, "placement.mode=colocated", "model.quantization=nf4",
                     "logging.eval_every=10", "learner.optimizer=adamw8bit")
     assert rows[-1]["adapter_version"] == 21
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3

@@ -36,6 +36,34 @@ def test_optimizer_state_round_trips_through_safetensors_and_json(tmp_path):
             assert torch.equal(value, b["state"][pid][key])
 
 
+def test_a_nested_quantised_state_round_trips_exactly(tmp_path):
+    """bitsandbytes' 8-bit AdamW keeps its quantised moments in a dict under one key of each
+    parameter's state (uint8 moments, float32 absmax and maps, an int step beside): the layout here."""
+    import json
+
+    nested = "__bnb_optimizer_quant_state__"
+    state = {"state": {0: {"step": 3, nested: {"state1": torch.randint(0, 255, (8, 4), dtype=torch.uint8),
+                                               "state2": torch.randint(0, 255, (8, 4), dtype=torch.uint8),
+                                               "absmax1": torch.rand(1), "qmap1": torch.linspace(-1, 1, 256)}},
+                       1: {"step": 3, nested: {"state1": torch.zeros(4, dtype=torch.uint8)}, "mode": "dynamic"}},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1]}]}
+    tensors, meta = split_optimizer_state(state)
+    assert "state.0.__bnb_optimizer_quant_state__.state1" in tensors
+    save_file(tensors, str(tmp_path / "o.safetensors"))
+    (tmp_path / "o.json").write_text(json.dumps(meta))
+    back = join_optimizer_state(load_file(str(tmp_path / "o.safetensors")), json.loads((tmp_path / "o.json").read_text()))
+    assert back["param_groups"] == state["param_groups"]
+    for pid, entry in state["state"].items():
+        assert back["state"][pid].keys() == entry.keys()
+        assert back["state"][pid]["step"] == 3 and back["state"][pid][nested].keys() == entry[nested].keys()
+        for k, v in entry[nested].items():
+            got = back["state"][pid][nested][k]
+            assert got.dtype == v.dtype and torch.equal(got, v), k
+    assert back["state"][1]["mode"] == "dynamic"
+    with pytest.raises(TypeError, match=r"0\.deep\.a: cannot store a dict"):
+        split_optimizer_state({"state": {0: {"deep": {"a": {"b": torch.zeros(1)}}}}, "param_groups": []})
+
+
 def test_jsonable():
     class Kind(str, enum.Enum):
         LORA = "LORA"

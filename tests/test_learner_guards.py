@@ -162,3 +162,37 @@ def test_an_adapter_directory_is_checked_before_any_actor(tiny_dir, tmp_path):
     ):
         with pytest.raises(NlaInputError, match=needle):
             check_adapter_dir(make(), tiny_dir / "model", "learner.adapter_init")
+
+
+def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tmp_path):
+    """vLLM quantises the stored weights and the learner the cast ones: an F32 checkpoint under bf16 NF4
+    would give the rollout another base. Refused before any actor; a bf16 copy, or a checkpoint saved
+    already quantised, is accepted."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from orchestrator.job import prepare_job
+    from shared.check import check_quantization_source
+    from shared.config import build_config
+
+    needle = r"model.quantization nf4: the checkpoint stores its linear weights as F32 \(.*proj.weight\) and model.dtype is bfloat16"
+    with pytest.raises(NlaInputError, match=needle):
+        check_quantization_source(tiny_dir / "model", "bfloat16")
+    raw = {"model": {"path": str(tiny_dir / "model"), "dtype": "bfloat16", "quantization": "nf4"},
+           "data": {"parquet": str(tiny_dir / "rl.parquet")}, "placement": {"mode": "colocated"}}
+    with pytest.raises(NlaInputError, match=needle):
+        prepare_job(build_config(raw, "t"), log=lambda *a: None)
+    check_quantization_source(tiny_dir / "model", "float32")
+
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(tiny_dir / "model", bf16)
+    for f in bf16.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f), metadata={"format": "pt"})
+    check_quantization_source(bf16, "bfloat16")
+    with pytest.raises(NlaInputError, match="as BF16"):
+        check_quantization_source(bf16, "float16")
+    config = json.loads((bf16 / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    check_quantization_source(bf16, "float16")
