@@ -49,6 +49,14 @@ def _parser() -> argparse.ArgumentParser:
     ci.add_argument("out_dir")
     ci.add_argument("--model", required=True, help="the base model directory the AR-LoRA sits on")
 
+    ir = sub.add_parser("import-run", help="turn the reference trainer's iter_NNNNNN checkpoint into a run directory "
+                        "that `train --resume` continues")
+    ir.add_argument("iter_dir", help="the reference trainer's iter_NNNNNN (policy adapter, critic/, training_state.pt)")
+    ir.add_argument("--av-sft", required=True, help="the AV-SFT adapter that run started from: the KL reference")
+    ir.add_argument("--config", required=True, help="the run config to continue with (see deploy/reference-compatible.yaml)")
+    ir.add_argument("--run-dir", required=True, help="the new run directory")
+    _add_overrides(ir, "override a config field")
+
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
     pl.add_argument("run_dir")
     return p
@@ -244,6 +252,11 @@ def main(argv=None) -> int:
                   f"(critic.lora_r and lora_alpha come from it)"
                   + (f" model.quantization={meta.quantization}" if meta.quantization != "none" else "")
                   + (" (its final norm kept, as it was trained)" if meta.final_norm else ""))
+            return 0
+        if args.cmd == "import-run":
+            from orchestrator.import_run import import_run
+
+            import_run(args.iter_dir, args.av_sft, args.config, args.run_dir, args.set, log=lambda m: print(m, flush=True))
             return 0
         if args.cmd == "plot":
             from orchestrator.plot import write_plots

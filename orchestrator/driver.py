@@ -21,7 +21,7 @@ from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
 from orchestrator.metrics import eval_metrics, sample_metrics
 from orchestrator.run_dir import RunDir
 from orchestrator.weight_push import AdapterPush
-from shared.data import ShuffledOrder
+from shared.data import ShuffledOrder, make_order, order_from_state
 from shared.types import PromptRequest
 
 TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
@@ -159,7 +159,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
     overlap, sleep = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update
     push = AdapterPush(services.learner.leader, services.rollouts)  # rank 0 exports for every rank
-    order = ShuffledOrder(len(job.train), seed=cfg.seed)
+    order = make_order(cfg.data.order, len(job.train), cfg.seed)
     start, phase = 0, "resume"
     try:
         if resume_from is not None:
@@ -167,7 +167,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if (resume_from / "critic").is_dir():  # else a frozen critic: the one the config built (checked at start-up)
                 services.critic.load(str(resume_from / "critic"))
             services.learner.load(str(resume_from / "policy"))
-            order = ShuffledOrder.from_state(state["order"])
+            order = order_from_state(state["order"])
             start = int(state["step"])
             log(f"[resume] from {resume_from} at step {start}")
         feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)

@@ -145,9 +145,11 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     if hidden is not None and hidden != spec.d_model:
         raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")
     blocks = model_config_field(model_dir, "num_hidden_layers")
-    if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks:
-        raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 1} ({model_dir} has {blocks} "
-                            f"decoder blocks), found {cfg.injection.karvonen_layer}")
+    # after the last block no attention is left to carry the vector to the response: it could not be read
+    if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks - 1:
+        raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 2} ({model_dir} has {blocks} "
+                            f"decoder blocks, and after the last one no attention layer is left to carry the vector to "
+                            f"the response), found {cfg.injection.karvonen_layer}")
     if cfg.model.quantization == "nf4" and cfg.rollout.backend == "vllm":
         from shared.check import check_quantization_source
 
@@ -170,8 +172,14 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         if len(ids) != 1:
             raise NlaInputError("config", f"rollout.extra_stop_tokens: expected {s!r} to be one token, found {len(ids)} ids {ids}")
     log(f"[data] reading {cfg.data.parquet}")
-    rows = read_rows(cfg.data.parquet, spec.d_model, max_rows=cfg.data.max_rows)
-    train, ev = split_eval(rows, cfg.data.eval_fraction)
+    if cfg.data.eval_skip_rows is None:
+        rows = read_rows(cfg.data.parquet, spec.d_model, max_rows=cfg.data.max_rows)
+        train, ev = split_eval(rows, cfg.data.eval_fraction)
+    else:  # the reference trainer's split: eval rows lie past eval_skip_rows, so the whole file is read
+        from shared.data import split_reference
+
+        rows = read_rows(cfg.data.parquet, spec.d_model)
+        train, ev = split_reference(rows, cfg.data.max_rows, cfg.data.eval_skip_rows)
     if len(train) < cfg.grpo.prompts_per_step:
         raise NlaInputError(cfg.data.parquet, f"{len(train)} training rows, fewer than grpo.prompts_per_step={cfg.grpo.prompts_per_step}")
     if cfg.logging.eval_every and len(ev) == 0:
@@ -181,7 +189,8 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
                                                    cfg.prompts.enable_thinking)
     golds = torch.from_numpy(train.activations[: cfg.data.fve_baseline_rows])
     meannorm, rawvar = fve_baselines(golds, spec.mse_scale)
-    log(f"[data] {len(train)} training rows, {len(ev)} eval rows (document-disjoint), d={spec.d_model}; "
+    split = "document-disjoint" if cfg.data.eval_skip_rows is None else f"past row {cfg.data.eval_skip_rows}, document-disjoint"
+    log(f"[data] {len(train)} training rows, {len(ev)} eval rows ({split}), d={spec.d_model}; "
         f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
     return Job(cfg, spec, tok, train, ev, prompt_ids, pi_train, pi_eval, rawvar, meannorm,
                data_fingerprint(rows, train, ev, spec))

@@ -59,12 +59,25 @@ class DataConfig(_Section):
     """Share of documents (by a hash of doc_id) held out for evaluation."""
     fve_baseline_rows: int = Field(4000, ge=2)
     """Training rows used for the predict-the-mean FVE baselines."""
+    eval_skip_rows: Optional[int] = Field(None, ge=1)
+    """The reference trainer's split instead of eval_fraction's: train on the first data.max_rows rows, evaluate
+    on the rows past this index whose document none of the rows before it has; None = the documents split."""
+    order: Literal["epochs", "reference"] = "epochs"
+    """Batch order: epochs = a seeded permutation per epoch; reference = the reference trainer's (one numpy
+    generator reshuffling a list in place), which an imported reference run continues."""
+
+    @model_validator(mode="after")
+    def _reference_split(self):
+        if self.eval_skip_rows is not None and (self.max_rows is None or self.max_rows > self.eval_skip_rows):
+            raise ValueError(f"eval_skip_rows={self.eval_skip_rows} needs max_rows at most that (found "
+                             f"{self.max_rows}): the training rows must lie before the eval rows")
+        return self
 
 
 class InjectionConfig(_Section):
     mode: Literal["embed", "karvonen"] = "embed"
     """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block
-    (with vLLM through hooks in its worker, so the engine runs eager: no torch.compile, no CUDA graphs)."""
+    (with vLLM inside the model's own forward, rollout/vllm_karvonen.py: compiled, CUDA graphs kept)."""
     scale: Optional[str] = None
     """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw' (needed where the
     sidecar has none, as the official release's have)."""

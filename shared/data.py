@@ -2,8 +2,10 @@
 
 Columns: ``prompt`` (chat messages with one ``<INJECT>``), ``activation_vector`` (fixed- or
 variable-size list of floats, length d), ``doc_id``; others are ignored. Eval rows are the documents
-whose doc_id hash falls under ``eval_fraction`` (document-disjoint from training). ``ShuffledOrder``
-gives a seeded, resumable batch order whose whole state is a small dict.
+whose doc_id hash falls under ``eval_fraction`` (document-disjoint from training), or, as the reference
+trainer splits (``split_reference``), the rows past ``eval_skip_rows`` whose document none of the rows
+before it has. ``ShuffledOrder`` gives a seeded, resumable batch order whose whole state is a small
+dict; ``ReferenceOrder`` is the reference trainer's (what an imported run continues).
 """
 from __future__ import annotations
 
@@ -156,6 +158,16 @@ def split_eval(rows: RlRows, fraction: float) -> tuple[RlRows, RlRows]:
     return rows.subset(np.flatnonzero(~mask)), rows.subset(np.flatnonzero(mask))
 
 
+def split_reference(rows: RlRows, max_rows: int, eval_skip_rows: int) -> tuple[RlRows, RlRows]:
+    """(train, eval) as the reference trainer takes them: training on the first ``max_rows`` rows,
+    evaluating on the rows past ``eval_skip_rows`` whose document is not among the first ``eval_skip_rows``
+    rows' (a row-shuffled file shares documents across any cut), in file order."""
+    n = len(rows)
+    seen = set(rows.doc_ids[: min(eval_skip_rows, n)])
+    ev = [i for i in range(eval_skip_rows, n) if rows.doc_ids[i] not in seen]
+    return rows.subset(np.arange(min(max_rows, n))), rows.subset(np.asarray(ev, dtype=np.int64))
+
+
 @dataclass
 class ShuffledOrder:
     """Seeded epoch permutations of ``n`` rows; ``state()`` / ``from_state`` resume exactly."""
@@ -187,3 +199,58 @@ class ShuffledOrder:
     @classmethod
     def from_state(cls, state: dict) -> "ShuffledOrder":
         return cls(n=int(state["n"]), seed=int(state["seed"]), epoch=int(state["epoch"]), cursor=int(state["cursor"]))
+
+
+class ReferenceOrder:
+    """The reference trainer's batch order: one ``numpy.random.default_rng(seed)`` shuffles the list of
+    row indices in place at the start and again whenever fewer than a batch remain; batches are read
+    at a cursor. Its state (the list, the cursor and the generator's state) is what the reference
+    trainer's ``training_state.pt`` holds, so an imported run continues its order exactly."""
+
+    kind = "reference"
+
+    def __init__(self, n: int, seed: int, pending: list[int] | None = None, cursor: int = 0, rng_state: dict | None = None):
+        self.n, self.seed = n, seed
+        self.rng = np.random.default_rng(seed)
+        if pending is None:
+            pending = list(range(n))
+            self.rng.shuffle(pending)
+        elif rng_state is not None:
+            self.rng.bit_generator.state = rng_state
+        if sorted(pending) != list(range(n)):
+            raise ValueError(f"the row order is not a permutation of the {n} training rows ({len(pending)} entries)")
+        self.pending, self.cursor = [int(i) for i in pending], int(cursor)
+
+    def next_batch(self, k: int) -> list[int]:
+        if k > self.n:
+            raise ValueError(f"batch of {k} prompts from only {self.n} rows")
+        if self.cursor + k > self.n:
+            self.rng.shuffle(self.pending)
+            self.cursor = 0
+        out = self.pending[self.cursor : self.cursor + k]
+        self.cursor += k
+        return list(out)
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "n": self.n, "seed": self.seed, "cursor": self.cursor, "pending": list(self.pending),
+                "rng_state": _json_rng_state(self.rng.bit_generator.state)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "ReferenceOrder":
+        return cls(int(state["n"]), int(state["seed"]), list(state["pending"]), int(state["cursor"]), state["rng_state"])
+
+
+def _json_rng_state(state: dict) -> dict:
+    # PCG64's state holds 128-bit integers: JSON keeps them exactly (Python reads them back as ints)
+    return {k: _json_rng_state(v) if isinstance(v, dict) else (int(v) if isinstance(v, (int, np.integer)) else v)
+            for k, v in state.items()}
+
+
+def make_order(kind: str, n: int, seed: int):
+    """A fresh batch order of ``data.order`` kind."""
+    return ReferenceOrder(n, seed) if kind == "reference" else ShuffledOrder(n, seed)
+
+
+def order_from_state(state: dict):
+    """The order a checkpoint saved (older checkpoints hold a ``ShuffledOrder`` without a kind)."""
+    return ReferenceOrder.from_state(state) if state.get("kind") == "reference" else ShuffledOrder.from_state(state)

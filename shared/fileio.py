@@ -225,7 +225,12 @@ def load_optimizer(directory: str | Path, optimizer, param_names: list[str], ten
         diff = next((a for a, b in zip(saved or [], param_names) if a != b), None)
         raise NlaInputError(meta_path, f"param_names: do not match the {what}'s trainable tensors (first difference "
                                        f"{diff!r}, {len(saved or [])} saved vs {len(param_names)} now)")
+    # the learning rate is the config's (the one the optimiser was built with): a resume may change it on
+    # purpose (`--resume --set learner.lr=...`), and no schedule moves it, so the saved value is not restored
+    rates = [g["lr"] for g in optimizer.param_groups]
     optimizer.load_state_dict(join_optimizer_state(load_tensors(d / tensors_name), meta))
+    for group, lr in zip(optimizer.param_groups, rates):
+        group["lr"] = lr
 
 
 # ---- RNG ----------------------------------------------------------------------------------------

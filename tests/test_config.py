@@ -99,6 +99,8 @@ def test_bad_override_and_files(tmp_path):
 
 @pytest.mark.parametrize("raw,needle", [
     ({"model": {"quantization": "nf4"}}, "model.quantization=nf4: bitsandbytes NF4 needs CUDA GPUs"),
+    ({"data": {"eval_skip_rows": 10}}, "data: eval_skip_rows=10 needs max_rows at most that (found None)"),
+    ({"data": {"eval_skip_rows": 10, "max_rows": 11}}, "the training rows must lie before the eval rows"),
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
     ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout"),
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),

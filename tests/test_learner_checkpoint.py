@@ -64,6 +64,20 @@ def test_a_nested_quantised_state_round_trips_exactly(tmp_path):
         split_optimizer_state({"state": {0: {"deep": {"a": {"b": torch.zeros(1)}}}}, "param_groups": []})
 
 
+def test_a_loaded_optimizer_keeps_the_learning_rate_it_was_built_with(tmp_path):
+    """`--resume --set learner.lr=...` changes the rate from the checkpoint on: the moments are the
+    saved ones, the rate the config's (no schedule moves it)."""
+    from shared.fileio import load_optimizer, save_optimizer
+
+    params, opt = _trained_adamw()
+    save_optimizer(tmp_path, opt, ["a", "b"], "o.safetensors", "o.json")
+    again = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=5e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    load_optimizer(tmp_path, again, ["a", "b"], "o.safetensors", "o.json")
+    assert again.param_groups[0]["lr"] == 5e-4 and opt.param_groups[0]["lr"] == 1e-3
+    for p, q in zip(opt.state.values(), again.state.values()):
+        assert torch.equal(p["exp_avg_sq"], q["exp_avg_sq"]) and torch.equal(p["step"], q["step"])
+
+
 def test_jsonable():
     class Kind(str, enum.Enum):
         LORA = "LORA"
@@ -113,7 +127,7 @@ def test_one_optimizer_format_for_learner_and_critic_and_the_critics_older_files
         "state_scalars": {}}))
     again = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3, 2)), torch.nn.Parameter(torch.zeros(4))], lr=1.0)
     load_optimizer(old, again, ["a", "b"], "opt.safetensors", "opt.json")
-    assert again.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95) and again.param_groups[0]["lr"] == 1e-3
+    assert again.state_dict()["param_groups"][0]["betas"] == (0.9, 0.95) and again.param_groups[0]["lr"] == 1.0  # the built one
 
 
 def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):

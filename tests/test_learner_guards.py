@@ -94,7 +94,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"rollout": {"sleep_during_update": True, "backend": "hf"}, "placement": {"mode": "colocated"}}, "rollout.backend=vllm"),
     ({"placement": {"mode": "split"}, "weight_sync": {"kind": "cuda_ipc"}}, "weight_sync.kind=cuda_ipc needs placement.mode=colocated"),
     ({"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}}, "weight_sync.kind=file .* needs rollout.backend=vllm"),
-    ({"injection": {"mode": "karvonen", "karvonen_layer": 2}}, r"injection.karvonen_layer: expected 0\.\.1 \(.* has 2 decoder blocks\)"),
+    ({"injection": {"mode": "karvonen", "karvonen_layer": 2}}, r"injection.karvonen_layer: expected 0\.\.0 \(.* has 2 decoder blocks, and after the last one no attention layer is left"),
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"mode": "split", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"critic_own_gpu": True}}, "placement.critic_own_gpu needs placement.mode=split"),
