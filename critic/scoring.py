@@ -34,7 +34,7 @@ from critic.checkpoint import (
 from critic.model import CriticModel
 from shared.config import LINEAR_MODULES
 from shared.errors import NlaInputError
-from shared.prompts import render_critic_ids
+from shared.prompts import render_critic_ids, start_token
 from shared.schema import normalized_mse
 
 # fields that fix the critic's structure: a checkpoint must agree on all of them (its LoRA's
@@ -98,6 +98,10 @@ class Critic:
         pad = self.tokenizer.pad_token_id
         # with right padding the pad id is never attended by a real token; any valid id will do
         self.pad_id = int(pad if pad is not None else (self.tokenizer.eos_token_id or 0))
+        add_bos = cfg.critic.add_bos
+        self.bos = start_token(self.tokenizer) if add_bos is None else (self.tokenizer.bos_token_id if add_bos else None)
+        if add_bos and self.bos is None:
+            raise NlaInputError(cfg.model.path, "critic.add_bos: true, but the tokenizer has no start token (bos_token)")
         self.dtype = resolve_dtype(cfg.model.dtype, device)
         self.meta = self._architecture()
         self.model = CriticModel.from_base(cfg.model.path, self.meta.num_layers, self.dtype, self.mse_scale,
@@ -137,7 +141,7 @@ class Critic:
             if text is None:
                 out.append(None)
                 continue
-            ids = render_critic_ids(self.tokenizer, self.spec.ar_template, text)
+            ids = render_critic_ids(self.tokenizer, self.spec.ar_template, text, self.bos)
             out.append(ids if 0 < len(ids) <= limit else None)
         return out
 

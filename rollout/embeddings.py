@@ -58,3 +58,21 @@ def load_embed_tokens(model_path, dtype=None, device: str = "cpu"):
     with safe_open(str(files[name]), framework="pt", device=device) as f:
         weight = f.get_tensor(name)
     return weight if dtype is None else weight.to(dtype)
+
+
+# families whose HF embedding module multiplies the looked-up rows by sqrt(hidden_size) (in the weight's
+# dtype); vLLM applies its normaliser to token ids only, never to prompt_embeds, so the rows built here
+# from the raw matrix need it too
+SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3", "gemma3_text")
+
+
+def embedding_multiplier(model_path) -> float | None:
+    """The factor the model's own embedding applies to its rows (Gemma: sqrt(hidden_size)), or None."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    text = cfg.get("text_config") or cfg
+    if cfg.get("model_type") in SCALED_EMBEDDINGS or text.get("model_type") in SCALED_EMBEDDINGS:
+        return float(text.get("hidden_size", cfg.get("hidden_size"))) ** 0.5
+    return None

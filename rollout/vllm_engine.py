@@ -124,7 +124,7 @@ class VllmEngine(RolloutEngine):
         import vllm
         from transformers import AutoTokenizer
 
-        from rollout.embeddings import load_embed_tokens
+        from rollout.embeddings import embedding_multiplier, load_embed_tokens
         from rollout.transport import make_transport
         from shared.injection import embed_norm
         from shared.torch_utils import resolve_dtype
@@ -136,6 +136,7 @@ class VllmEngine(RolloutEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)
         self.embed_weight = load_embed_tokens(path, dtype=self.dtype)
+        self.embed_multiplier = embedding_multiplier(path)
         self.scale = (spec.injection_scale(cfg.injection.scale, embed_norm=embed_norm(self.embed_weight))
                       if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
@@ -166,10 +167,11 @@ class VllmEngine(RolloutEngine):
         check_request(req, self.spec)
         vector = request_vector(req, self.spec.d_model)
         if not self.karvonen:
-            return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale)
+            return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale,
+                                self.embed_multiplier)
         from rollout.vllm_karvonen import mark_site
 
-        plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale)
+        plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale, self.embed_multiplier)
         return mark_site(plain, req.site, vector) if inject else plain
 
     def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):

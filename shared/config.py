@@ -154,6 +154,9 @@ class CriticConfig(_Section):
     """Critic learning rate."""
     optimizer: Literal["auto", "adamw", "adamw8bit"] = "auto"
     """As learner.optimizer: auto = 8-bit AdamW where bitsandbytes imports on CUDA, torch AdamW otherwise."""
+    add_bos: Optional[bool] = None
+    """Start the critic's prompts with the tokenizer's start token; None = where the tokenizer adds one
+    itself (Gemma, Llama; Qwen has none). false: as the reference trainer encodes (its ARs on such models)."""
     lora_r: Optional[int] = Field(None, ge=0, le=4096)
     """LoRA rank on the critic backbone; 0 = full fine-tuning when trained; None = critic.checkpoint's (0 without one)."""
     lora_alpha: Optional[int] = Field(None, ge=1, le=65536)

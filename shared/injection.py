@@ -37,10 +37,16 @@ def _place(embeds: torch.Tensor, sites: torch.Tensor, vectors: torch.Tensor, sca
     return out
 
 
-def embed_prompt(token_ids, embed_weight: torch.Tensor, site: int | None, vector: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """``prompt_embeds[T, d]`` for one prompt; ``site=None`` gives the plain token embeddings."""
+def embed_prompt(token_ids, embed_weight: torch.Tensor, site: int | None, vector: torch.Tensor | None, scale: float | None,
+                 multiplier: float | None = None) -> torch.Tensor:
+    """``prompt_embeds[T, d]`` for one prompt; ``site=None`` gives the plain token embeddings.
+
+    ``multiplier``: what the model's embedding module applies to its rows (Gemma's sqrt(d)), applied as
+    it does (the factor cast to the weight's dtype first), so the rows equal the learner's."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=embed_weight.device)
     embeds = embed_weight.detach()[ids].unsqueeze(0)
+    if multiplier is not None:
+        embeds = embeds * torch.tensor(multiplier).to(embed_weight.dtype)
     if site is None:
         return embeds[0]
     sites = torch.tensor([site], device=embed_weight.device)

@@ -78,8 +78,20 @@ def render_critic_text(template: str, explanation: str) -> str:
     return template.format(explanation=explanation)
 
 
-def render_critic_ids(tokenizer, template: str, explanation: str) -> list[int]:
-    return as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
+def start_token(tokenizer) -> int | None:
+    """The start token the tokenizer puts before a text of its own accord (Gemma's ``<bos>``, Llama 3's
+    ``<|begin_of_text|>``), or None (Qwen has none). The AV prompt gets it from the chat template's text."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    return int(bos) if as_ids(tokenizer.encode("a", add_special_tokens=True))[:1] == [int(bos)] else None
+
+
+def render_critic_ids(tokenizer, template: str, explanation: str, bos: int | None = None) -> list[int]:
+    """The critic prompt's ids, after ``bos`` when one is given (a model trained with its start token
+    reads a prompt without it much worse: on Gemma the official release saw FVE fall from 0.77 to 0.31)."""
+    ids = as_ids(tokenizer.encode(render_critic_text(template, explanation), add_special_tokens=False))
+    return [bos] + ids if bos is not None and ids[:1] != [bos] else ids
 
 
 def prompt_table(row_sets, tokenizer, spec, prefill: str, source, enable_thinking: bool | None = None) -> tuple[list[tuple[list[int], int]], list]:
