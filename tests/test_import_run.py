@@ -122,66 +122,113 @@ def _config(tiny_dir, path):
     return path
 
 
-def test_the_first_update_is_the_reference_trainers_adamw_step(tiny_dir, reference_iter, tmp_path):
+def _reference_step(tiny_dir, reference_iter, samples, vectors, advantages, lr, marker_id, layer=0, clip_eps=0.2,
+                    kl_beta=0.04, max_grad_norm=1.0):
+    """The reference trainer's GRPO step, restated from its formulas on its own artefacts: a PEFT actor
+    from the iter adapter with the AV-SFT adapter as ``reference``; the karvonen add after block
+    ``layer`` (h[site] += ||h[site]||·v/||v||); per sample the token mean of
+    -(min(r·A, clip(r)·A) - beta·k3(ref, new)), averaged over samples; the gradient clipped; torch AdamW
+    loaded from training_state.pt. Returns the policy's LoRA tensors after the step, by PEFT key."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    actor = PeftModel.from_pretrained(base, reference_iter["iter"], adapter_name="default", is_trainable=True)
+    actor.load_adapter(reference_iter["av_sft"], adapter_name="reference")
+    actor.set_adapter("default")
+    trainable = [p for p in actor.parameters() if p.requires_grad]
+    optim = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optim.load_state_dict(torch.load(reference_iter["iter"] / "training_state.pt", weights_only=True)["actor_optim_state"])
+    current = {}
+
+    def add(module, args, output):
+        h = output[0] if isinstance(output, tuple) else output
+        ids, v = current["ids"], current["v"]
+        site = int((ids[0] == marker_id).nonzero()[0])
+        row = h[0, site]
+        h = h.clone()
+        h[0, site] = row + row.norm() * v / v.norm()
+        return (h, *output[1:]) if isinstance(output, tuple) else h
+
+    handle = actor.base_model.model.model.layers[layer].register_forward_hook(add)
+    losses = []
+    for s, v, a in zip(samples, vectors, advantages):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        current.update(ids=ids, v=v.float())
+        P, T = len(s.prompt_ids), ids.shape[1]
+        target = ids[0, P:]
+        new = torch.log_softmax(actor(input_ids=ids).logits[0].float(), -1)[P - 1 : T - 1].gather(-1, target[:, None])[:, 0]
+        with torch.no_grad():
+            actor.set_adapter("reference")
+            ref = torch.log_softmax(actor(input_ids=ids).logits[0].float(), -1)[P - 1 : T - 1].gather(-1, target[:, None])[:, 0]
+            actor.set_adapter("default")
+        old = torch.tensor(s.logprobs)
+        ratio = torch.exp(new - old)
+        surrogate = torch.minimum(ratio * a, torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * a)
+        delta = ref - new
+        losses.append((-(surrogate - kl_beta * (torch.exp(delta) - delta - 1.0))).mean())
+    handle.remove()
+    torch.stack(losses).mean().backward()
+    torch.nn.utils.clip_grad_norm_([p for p in actor.parameters() if p.requires_grad], max_grad_norm)
+    optim.step()
+    return {n.replace(".default", ""): p.detach() for n, p in actor.named_parameters() if ".default." in n and "lora_" in n}
+
+
+def test_the_first_step_after_import_is_the_reference_trainers_step(tiny_dir, reference_iter, tmp_path):
     """In process: the learner loaded from the imported checkpoint holds the iter adapter and the AV-SFT
-    reference, and one update from it is the reference trainer's AdamW step (its saved moments and step
-    count, betas, lr) on the same gradient, to fp32 tolerance."""
+    reference, and its first update on a batch equals the reference trainer's step on that batch
+    (its loss, clipping and AdamW from the saved moments), to fp32 tolerance."""
+    import yaml
     from safetensors.torch import load_file
 
+    from learner.policy import POLICY, REFERENCE
     from learner.service import Learner
     from orchestrator.import_run import import_run
     from orchestrator.run_dir import RunDir
     from shared.spec import load_spec, sidecar_path
     from test_learner_support import sample_responses
 
+    cfg_path = _config(tiny_dir, tmp_path / "c.yaml")
+    raw = yaml.safe_load(cfg_path.read_text())
+    raw["injection"] = {"mode": "karvonen", "karvonen_layer": 0}  # the reference trainer's injection
+    cfg_path.write_text(yaml.safe_dump(raw))
     lines = []
     run = tmp_path / "run"
-    ckpt = import_run(reference_iter["iter"], reference_iter["av_sft"], _config(tiny_dir, tmp_path / "c.yaml"), run, log=lines.append)
+    ckpt = import_run(reference_iter["iter"], reference_iter["av_sft"], cfg_path, run, log=lines.append)
     assert ckpt == run / "checkpoints" / "step_000004"
     assert any("not carried over exactly: rollout sampling" in line for line in lines)
     cfg = RunDir.open(run).config()
     assert cfg.data.order == "reference" and cfg.learner.optimizer == "adamw"
-    learner = Learner(cfg, load_spec(sidecar_path(cfg.data.parquet)), "cpu")
+    spec = load_spec(sidecar_path(cfg.data.parquet))
+    learner = Learner(cfg, spec, "cpu")
     learner.load(ckpt / "policy")
     assert (learner.step, learner.version) == (STEP, STEP + 1)
     policy = load_file(str(reference_iter["iter"] / "adapter_model.safetensors"))
     sft = load_file(str(reference_iter["av_sft"] / "adapter_model.safetensors"))
-    for key, p in learner.policy.adapter_parameters("policy").items():
-        assert torch.equal(p.detach(), policy[key]), key
-    for key, p in learner.policy.adapter_parameters("reference").items():
-        assert torch.equal(p.detach(), sft[key]), key
+    for name, saved in ((POLICY, policy), (REFERENCE, sft)):
+        live = learner.policy.adapter_parameters(name)
+        assert live.keys() == saved.keys() and len(live) == 12
+        assert all(torch.equal(p.detach(), saved[k]) for k, p in live.items()), name
     assert learner.param_names == reference_iter["names"]  # the reference optimiser's parameter order
 
-    # the reference side: its AdamW over its own parameter list, loaded from training_state.pt as it does
-    saved = torch.load(reference_iter["iter"] / "training_state.pt", weights_only=True)
-    start = [p.detach().clone() for p in learner.params]
-    theirs = [torch.nn.Parameter(p.clone()) for p in start]
-    ref_opt = torch.optim.AdamW(theirs, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    ref_opt.load_state_dict(saved["actor_optim_state"])
-    grads = []
-    step = learner.optimizer.step
+    samples, vectors = sample_responses(tiny_dir, "karvonen", n_prompts=3, group=2, max_new=5)
+    advantages = [1.0, -1.0, 0.5, -0.5, 0.2, -0.2]
+    start = {k: p.detach().clone() for k, p in learner.policy.adapter_parameters(POLICY).items()}
+    metrics = learner.update(samples, advantages, vectors)
+    assert not metrics["skipped"]
+    expected = _reference_step(tiny_dir, reference_iter, samples, vectors, advantages, cfg.learner.lr, spec.marker_id)
+    ours = learner.policy.adapter_parameters(POLICY)
+    assert expected.keys() == ours.keys()
+    worst = max((ours[k].detach() - expected[k]).abs().max().item() for k in ours)
+    moved = min((ours[k].detach() - start[k]).abs().max().item() for k in ours)
+    print(f"largest difference from the reference step {worst:.1e}; smallest move {moved:.1e}")
+    assert worst <= 1e-6 < moved, (worst, moved)
 
-    def capture(*a, **k):
-        grads.extend(p.grad.detach().clone() for p in learner.params)
-        return step(*a, **k)
-
-    learner.optimizer.step = capture
-    samples, vectors = sample_responses(tiny_dir, "embed", n_prompts=3, group=2, max_new=5)
-    learner.update(samples, torch.tensor([1.0, -1.0, 0.5, -0.5, 0.2, -0.2]).tolist(), vectors)
-    assert len(grads) == len(theirs) and any(g.abs().sum() > 0 for g in grads)
-    for p, g in zip(theirs, grads):
-        p.grad = g
-    ref_opt.step()
-    for name, ours, ref, before in zip(learner.param_names, learner.params, theirs, start):
-        assert not torch.equal(ours.detach(), before), name
-        assert torch.allclose(ours.detach(), ref.detach(), atol=1e-7, rtol=1e-6), (name, (ours - ref).abs().max())
-    # a learner that started its moments afresh would have taken another step
-    fresh = [torch.nn.Parameter(p.clone()) for p in start]
-    opt = torch.optim.AdamW(fresh, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    for p, g in zip(fresh, grads):
-        p.grad = g
-    opt.step()
-    assert max((a - b.detach()).abs().max().item() for a, b in zip(fresh, learner.params)) > 1e-5
+    # a learner that had started its moments afresh would have taken another step
+    learner.load(ckpt / "policy")
+    learner.optimizer = torch.optim.AdamW(learner.params, lr=cfg.learner.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    learner.update(samples, advantages, vectors)
+    assert max((ours[k].detach() - expected[k]).abs().max().item() for k in ours) > 100 * max(worst, 1e-7)
 
 
 def test_a_co_trained_critic_is_imported_with_the_run(tiny_dir, reference_iter, tmp_path):
