@@ -45,7 +45,7 @@ class Job:
 
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
 # (the data's content is checked by its fingerprint instead)
-RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
+RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "evals.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
                      "critic.checkpoint", "learner.adapter_init", "learner.reference_adapter")
 # what `train --resume --set` may change on purpose: the above, and the learning rates (the run then
 # continues with the new rate from the checkpoint on; editing config.yaml by hand is still refused)
@@ -96,6 +96,12 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
         from shared.config import upgrade_saved_config
 
         saved = upgrade_saved_config(saved)  # written by an older version: compared as it would read now
+        try:  # fields added since then take their defaults, as the older version behaved
+            from shared.config import build_config
+
+            saved = build_config(saved, str(where)).model_dump(mode="json")
+        except NlaInputError:
+            pass  # no longer valid as a whole: compared field by field as written
         now, then = flat(cfg.model_dump(mode="json")), flat(saved)
         for key in sorted(set(now) | set(then)):
             if not key.startswith(RESUME_MAY_CHANGE) and key not in changed and now.get(key) != then.get(key):

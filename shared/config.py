@@ -318,6 +318,71 @@ class LoggingConfig(_Section):
     """W&B project name."""
 
 
+class JudgeConfig(_Section):
+    backend: Literal["openai", "anthropic"] = "openai"
+    """openai: any OpenAI-compatible chat-completions server (vllm serve, OpenAI); anthropic: the Messages API."""
+    base_url: Optional[str] = None
+    """Server root; None = http://127.0.0.1:18001/v1 for openai (a local `vllm serve`), https://api.anthropic.com for anthropic."""
+    model: Optional[str] = None
+    """The judge model's name on that server (required when an eval is enabled)."""
+    api_key_env: Optional[str] = None
+    """Name of the environment variable holding the key (the key itself is never in the config); None = no key."""
+    concurrency: Optional[int] = Field(None, ge=1, le=256)
+    """Requests in flight; None = 8 (openai) or 1 (anthropic)."""
+    timeout_s: float = Field(120.0, gt=0.0, le=3600.0)
+    """Per-request timeout."""
+    retries: int = Field(3, ge=0, le=20)
+    """Retries after a timeout, a connection error, 429 or 5xx, with exponential backoff."""
+    max_tokens: int = Field(1024, ge=16, le=65536)
+    """Longest judge reply."""
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v):
+        import re
+
+        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
+            raise ValueError(f"expected the name of an environment variable (the key itself never goes in the config), "
+                             f"found a value of {len(v)} characters")
+        return v
+
+
+class HallucinationEvalConfig(_Section):
+    enabled: bool = False
+    """Ask the judge which claims of an explanation the source text does not support."""
+    prompts: int = Field(16, ge=1, le=100000)
+    """Held-out rows judged per eval step (fixed across the run)."""
+    text_column: str = "detokenized_text_truncated"
+    """Parquet column with the source text behind each activation."""
+
+
+class KarvonenConfusionEvalConfig(_Section):
+    enabled: bool = False
+    """Ask the judge whether the explanation names the quirk of the activation's source context."""
+    records: Optional[str] = None
+    """JSONL records file (prompt, activation, quirk, distractor per line)."""
+    prompts: Optional[int] = Field(None, ge=1, le=100000)
+    """Records judged per eval step; None = all."""
+
+
+class EvalsConfig(_Section):
+    judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    """The LLM judge every eval asks."""
+    hallucination: HallucinationEvalConfig = Field(default_factory=HallucinationEvalConfig)
+    """Unsupported claims against the source text."""
+    karvonen_confusion: KarvonenConfusionEvalConfig = Field(default_factory=KarvonenConfusionEvalConfig)
+    """Whether the explanation names the source context's quirk."""
+
+    @model_validator(mode="after")
+    def _complete(self):
+        on = [n for n in ("hallucination", "karvonen_confusion") if getattr(self, n).enabled]
+        if on and not self.judge.model:
+            raise ValueError(f"judge.model: needed by the enabled evals ({', '.join(on)})")
+        if self.karvonen_confusion.enabled and not self.karvonen_confusion.records:
+            raise ValueError("karvonen_confusion.records: needed when karvonen_confusion.enabled (a JSONL records file)")
+        return self
+
+
 class CheckpointConfig(_Section):
     every: int = Field(50, ge=0)
     """Save a full checkpoint every N steps (0 = only at the end)."""
@@ -343,6 +408,8 @@ class RunConfig(_Section):
     weight_sync: WeightSyncConfig = Field(default_factory=AutoSync)
     """How the adapter reaches the engines after each step: kind auto, host, cuda_ipc, broadcast or file."""
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    evals: EvalsConfig = Field(default_factory=EvalsConfig)
+    """Judged faithfulness evals, run on the logging.eval_every steps."""
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @field_validator("rollout")
@@ -559,7 +626,7 @@ def upgrade_saved_config(raw: dict) -> dict:
     """A run directory's config.yaml from an older version, made current so the run resumes as it ran:
     no ``learner.forward`` = the padded update; ``rollout.weight_transport`` / ``placement.adapter_route``
     = the ``weight_sync`` variant they chose; ``model.load_in_4bit`` = ``model.quantization``; no
-    ``prompts`` section = ``enable_thinking: false``, as they rendered."""
+    ``prompts`` section = ``enable_thinking: false``, as they rendered; no ``critic.add_bos`` = false."""
     raw = _deep_copy(raw)
     learner, rollout, placement = (raw.get(k) if isinstance(raw.get(k), dict) else None for k in ("learner", "rollout", "placement"))
     if "prompts" not in raw:  # before the prompts section every AV prompt was rendered with enable_thinking=False
@@ -570,6 +637,9 @@ def upgrade_saved_config(raw: dict) -> dict:
         model.setdefault("quantization", "nf4" if old is True else "none")
     if learner is not None and "forward" not in learner:
         learner["forward"] = "padded"
+    critic = raw.get("critic") if isinstance(raw.get("critic"), dict) else None
+    if critic is not None and "add_bos" not in critic:  # before critic.add_bos no critic prompt had a start token
+        critic["add_bos"] = False
     transport = rollout.pop("weight_transport", None) if rollout is not None else None
     route = placement.pop("adapter_route", None) if placement is not None else None
     if "weight_sync" not in raw and (transport is not None or route is not None):

@@ -150,3 +150,29 @@ def test_checkpoints_point_at_frozen_parts_instead_of_copying_them(tiny_dir, tmp
     err = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(err) == 1 and "Traceback" not in res.stderr, res.stderr[-2000:]
     assert "no loadable checkpoint" in err[0] and "policy/reference.json: the frozen file it references has changed" in err[0]
+
+
+def test_a_checkpoint_written_before_newer_fields_still_resumes(tmp_path):
+    """Fields added since a checkpoint was written take their defaults (what that version did): its
+    config misses them, yet the resume is not refused; a field it did record is still compared."""
+    from types import SimpleNamespace
+
+    from orchestrator.job import check_resume
+
+    cfg = build_config({"critic": {"add_bos": False}}, "t")
+    saved = cfg.model_dump(mode="json")
+    for section, key in (("data", "order"), ("data", "eval_skip_rows"), ("critic", "add_bos")):
+        del saved[section][key]
+    del saved["evals"]
+    ckpt = tmp_path / "step_000004"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
+    job = SimpleNamespace(data_fingerprint=None)
+    check_resume(ckpt, cfg, job, tmp_path / "config.yaml")
+    # an older run's critic encoded without a start token: resuming it with one is a change
+    with pytest.raises(NlaInputError, match=r"critic.add_bos: False when the checkpoint was written, None now"):
+        check_resume(ckpt, build_config({}, "t"), job, tmp_path / "config.yaml")
+    with pytest.raises(NlaInputError, match=r"learner.lr: 0.0001 when the checkpoint was written"):
+        saved["learner"]["lr"] = 1e-4
+        (ckpt / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
+        check_resume(ckpt, cfg, job, tmp_path / "config.yaml")

@@ -1,0 +1,1 @@
+"""Judged faithfulness evals: the judges (``judges``: OpenAI-compatible and Anthropic over HTTP)."""
