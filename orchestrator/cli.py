@@ -141,6 +141,7 @@ def _train(args) -> int:
             raise NlaInputError(run.path, f"already at step {done} (grpo.steps {cfg.grpo.steps}): pass --steps N with "
                                           f"N > {done} to continue it")
         job = prepare_job(cfg)
+        _start_judge(job)
         if resume_from is not None:
             from orchestrator.job import check_resume
 
@@ -154,6 +155,7 @@ def _train(args) -> int:
         run_dir = args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         RunDir.check_new(run_dir)
         job = prepare_job(cfg)
+        _start_judge(job)
         run = RunDir.create(run_dir, cfg)
         run.lock()
         resume_from = None
@@ -171,6 +173,16 @@ def _stop_on_signals() -> None:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+
+
+def _start_judge(job) -> None:
+    """The judge of the enabled evals, asked once before anything starts: down, or refusing the key, is one line."""
+    if job.evals:
+        from evals.judges import Judge
+
+        job.judge = Judge(job.cfg.evals.judge)
+        job.judge.check()
+        print(f"[evals] judge {job.judge.backend}:{job.cfg.evals.judge.model} at {job.judge.base_url} answers", flush=True)
 
 
 def _run_services(job, run, resume_from) -> int:

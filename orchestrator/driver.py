@@ -108,6 +108,61 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> tuple[dict, li
     return out, records
 
 
+def _judged_evals(services, job: Job, step: int, run: RunDir, log) -> tuple[dict, list[dict]]:
+    """The judged evals (``evals.tasks``) at an eval step: one sample per item from the current adapter
+    (the first of its group), its explanation, the judge's verdict."""
+    import torch
+
+    from evals.tasks import run_evals
+
+    cfg, g = job.cfg, job.cfg.rollout.group_size
+
+    def explanations_for(ev):
+        base = 10_000_000 * (1 + [e.id for e in job.evals].index(ev.id))  # sampling seeds apart from the eval's rows
+        requests = [PromptRequest(base + j, list(it.prompt_ids), it.site, torch.from_numpy(it.vector.copy()))
+                    for j, it in enumerate(ev.items)]
+        samples = rollout(services.rollouts, requests, seed=step_seed(cfg.seed, 2_000_000 + step))
+        firsts = [samples[j * g] for j in range(len(requests))]
+        return [explanation_for(s.text, s.finish_reason, s.marker_echo, cfg.rollout.cap_is_failure) for s in firsts]
+
+    metrics, records = run_evals(job.evals, job.judge, explanations_for, step)
+    run.append_samples(records)
+    shown = " | ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in metrics.items()
+                       if k.endswith(("hallucinations_mean", "clean_rate", "captures_quirk_rate", "judge_failures")))
+    log(f"  [evals@{step}] {shown}")
+    return metrics, records
+
+
+def _judged_tables(records: list[dict]) -> dict:
+    """Each judged eval's records as a wandb Table (``eval/<id>/records``)."""
+    import wandb
+
+    out = {}
+    for name in dict.fromkeys(r["eval"] for r in records):
+        rows = [r for r in records if r["eval"] == name]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        out[f"eval/{name}/records"] = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+    return out
+
+
+def _pareto_chart(rows: list[dict]) -> dict:
+    """plots/pareto.png as a wandb line series (``pareto/capability_vs_faithfulness``)."""
+    import wandb
+
+    from orchestrator.plot import pareto_series
+
+    series = pareto_series(rows)
+    if not series:
+        return {}
+    return {"pareto/capability_vs_faithfulness": wandb.plot.line_series(
+        xs=[xs for xs, _ in series.values()], ys=[ys for _, ys in series.values()], keys=list(series),
+        title="capability vs faithfulness", xname="step")}
+
+
+def _cell(value):
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
 def _eval_table(records: list[dict]):
     """The eval's explanations as a wandb Table (the reference trainer's dashboards show one)."""
     import wandb
@@ -262,10 +317,13 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             # ---- eval ----
             phase = "eval"
             t = time.time()
-            records = None
+            records, judged_records = None, None
             if cfg.logging.eval_every and ((step + 1) % cfg.logging.eval_every == 0 or step + 1 == cfg.grpo.steps):
                 summary, records = _evaluate(services, job, step, run, log)
                 row.update(summary)
+                if job.evals:
+                    judged, judged_records = _judged_evals(services, job, step, run, log)
+                    row.update(judged)
             row["time/eval"] = time.time() - t
 
             # ---- checkpoint ----
@@ -282,7 +340,11 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if pending is not None:
                 run.commit_checkpoint(pending, step + 1, cfg.checkpointing.keep_last)
             if wandb_run is not None:
-                wandb_run.log({**row, "eval/samples": _eval_table(records)} if records else row, step=step)
+                tables = {"eval/samples": _eval_table(records)} if records else {}
+                if judged_records:
+                    tables.update(_judged_tables(judged_records))
+                    tables.update(_pareto_chart(run.read_metrics()))
+                wandb_run.log({**row, **tables}, step=step)
             if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
                 log(f"step {step:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "
                     f"ext {row['extraction_rate']:.0%} | kl {row.get('kl_mean', float('nan')):.4f} | "

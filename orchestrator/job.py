@@ -5,7 +5,7 @@ A bad config or bad data stops here with the foundation's one-line errors.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +41,8 @@ class Job:
     fve_baseline: float
     fve_baseline_meannorm: float
     data_fingerprint: dict = None  # what a checkpoint records of the data (``data_fingerprint``)
+    evals: list = dataclass_field(default_factory=list)  # the judged evals with their fixed items (evals.tasks)
+    judge: object = None  # evals.judges.Judge, made and checked before any actor starts
 
 
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
@@ -198,5 +200,12 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     split = "document-disjoint" if cfg.data.eval_skip_rows is None else f"past row {cfg.data.eval_skip_rows}, document-disjoint"
     log(f"[data] {len(train)} training rows, {len(ev)} eval rows ({split}), d={spec.d_model}; "
         f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
+    evals = []
+    if cfg.evals.hallucination.enabled or cfg.evals.karvonen_confusion.enabled:
+        from evals.tasks import build_evals
+
+        evals = build_evals(cfg, spec, tok, ev, prompt_ids, pi_eval)
+        log(f"[evals] {', '.join(f'{e.id} ({len(e.items)} items)' for e in evals)} on every eval step, judged by "
+            f"{cfg.evals.judge.backend}:{cfg.evals.judge.model}")
     return Job(cfg, spec, tok, train, ev, prompt_ids, pi_train, pi_eval, rawvar, meannorm,
-               data_fingerprint(rows, train, ev, spec))
+               data_fingerprint(rows, train, ev, spec), evals)

@@ -69,4 +69,40 @@ def write_plots(run_dir: str | Path) -> Path:
     fig.savefig(tmp, dpi=80)
     plt.close(fig)
     tmp.replace(out)
+    _pareto(plt, run, rows)
+    return out
+
+
+# capability against faithfulness on one axis: what RL buys and at what cost, step by step
+PARETO = [("FVE %", "eval/fve", 100.0), ("hallucinations × 10", "eval/hallucination/hallucinations_mean", 10.0),
+          ("captures quirk %", "eval/karvonen_confusion/captures_quirk_rate", 100.0),
+          ("clean rate %", "eval/hallucination/clean_rate", 100.0)]
+
+
+def pareto_series(rows: list[dict]) -> dict[str, tuple[list, list]]:
+    """``{label: (steps, values)}`` of the Pareto chart, from the eval steps' metrics."""
+    out = {}
+    for label, key, factor in PARETO:
+        pts = [(r["step"], r[key] * factor) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        if pts:
+            out[label] = tuple(map(list, zip(*pts)))
+    return out
+
+
+def _pareto(plt, run: RunDir, rows: list[dict]) -> Path | None:
+    """``plots/pareto.png`` when the run has judged evals."""
+    series = pareto_series(rows)
+    if not any(label != "FVE %" for label in series):
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", ms=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_title("capability vs faithfulness")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out, tmp = run.plots / "pareto.png", run.plots / ".pareto.tmp.png"
+    fig.savefig(tmp, dpi=80)
+    plt.close(fig)
+    tmp.replace(out)
     return out

@@ -449,6 +449,9 @@ def critic_rank(critic: CriticConfig) -> int | None:
 
 def combination_problem(cfg: RunConfig) -> str | None:
     """The first rule ``cfg`` breaks across fields, as one line naming the fields; None when it breaks none."""
+    judged = [n for n in ("hallucination", "karvonen_confusion") if getattr(cfg.evals, n).enabled]
+    if judged and not cfg.logging.eval_every:
+        return f"evals.{judged[0]}.enabled runs on the eval steps: set logging.eval_every above 0"
     p, r = cfg.placement, cfg.rollout
     on_gpu = p.mode != "cpu"
     if cfg.model.quantization != "none":

@@ -139,7 +139,10 @@ def topic_activations(residuals: np.ndarray, topics: list[str], rng: np.random.G
     return (rows * scale).astype(np.float32)
 
 
-def write_rl_parquet(path: Path, prompts, activations: np.ndarray, doc_ids, row_group_size: int = 64, fixed_size: bool = True):
+def write_rl_parquet(path: Path, prompts, activations: np.ndarray, doc_ids, row_group_size: int = 64, fixed_size: bool = True,
+                     texts=None):
+    """The RL parquet; ``texts``: the source text behind each row (the official release's
+    ``detokenized_text_truncated`` column, which the hallucination eval shows its judge)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -152,9 +155,29 @@ def write_rl_parquet(path: Path, prompts, activations: np.ndarray, doc_ids, row_
         "prompt": pa.array(prompts, type=pa.list_(msg)),
         "activation_vector": vec,
         "doc_id": pa.array(doc_ids, type=pa.string()),
+        **({"detokenized_text_truncated": pa.array(list(texts), type=pa.string())} if texts is not None else {}),
     })
     # a CRC per page: a reader that checks them (shared.data does) finds a damaged page instead of its garbage
     pq.write_table(table, path, row_group_size=row_group_size, write_page_checksum=True)
+
+
+def write_confusion_records(path: Path, prompt, activations: np.ndarray, topics, doc_ids, per_topic: int = 2) -> None:
+    """The karvonen-confusion records of the tiny fixture (``evals.karvonen_confusion.records``): per topic,
+    ``per_topic`` activations from held-out documents, the topic as the quirk, the next topic as the
+    distractor."""
+    from shared.data import is_eval_doc
+
+    names = sorted(TOPICS)
+    lines = []
+    for k, topic in enumerate(names):
+        rows = [i for i, (t, d) in enumerate(zip(topics, doc_ids)) if t == topic and is_eval_doc(d, 0.1)][:per_topic]
+        for i in rows:
+            other = names[(k + 1) % len(names)]
+            lines.append(json.dumps({"id": f"{doc_ids[i]}-{i}", "prompt": prompt,
+                                     "activation": [round(float(x), 6) for x in activations[i]],
+                                     "quirk": f"the text is about {topic} ({', '.join(TOPICS[topic].split()[:4])})",
+                                     "distractor": f"the text is about {other} ({', '.join(TOPICS[other].split()[:4])})"}))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: float = 0.3) -> Path:
@@ -186,8 +209,10 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         acts = topic_activations(np.repeat(residuals, ROWS_PER_DOC, axis=0), topics, rng, noise)
         prompt = [{"role": "user", "content": AV_TEMPLATE.format(injection_char="<INJECT>")}]
         doc_ids = [d[0] for d in docs for _ in range(ROWS_PER_DOC)]
-        write_rl_parquet(tmp / "rl.parquet", [prompt] * len(doc_ids), acts, doc_ids)
+        texts = [" ".join(d[2]) for d in docs for _ in range(ROWS_PER_DOC)]
+        write_rl_parquet(tmp / "rl.parquet", [prompt] * len(doc_ids), acts, doc_ids, texts=texts)
         (tmp / "topics.json").write_text(json.dumps(topics))
+        write_confusion_records(tmp / "karvonen_confusion.jsonl", prompt, acts, topics, doc_ids)
         marker_id = tok.convert_tokens_to_ids(MARKER)
         embed_norm = float(torch.linalg.vector_norm(model.get_input_embeddings().weight.detach(), dim=-1).mean())
         # the official release's dataset sidecar (kind nla_dataset, schema_version 1), field for field; its

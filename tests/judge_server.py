@@ -12,8 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class JudgeServer:
-    def __init__(self, slow_s: float = 1.0, models_status: int = 200):
-        self.slow_s, self.models_status = slow_s, models_status
+    def __init__(self, slow_s: float = 1.0, models_status: int = 200, reply_fn=None):
+        """``reply_fn(user message) -> reply text``: the answer to anything not scripted above."""
+        self.slow_s, self.models_status, self.reply_fn = slow_s, models_status, reply_fn
         self.requests: list[dict] = []
         self.seen: dict[str, int] = {}
         self.in_flight = self.max_in_flight = 0
@@ -59,7 +60,10 @@ class JudgeServer:
                         return self._send(429, {"error": "slow down"})
                     if "SLOW" in user:
                         time.sleep(server.slow_s)
-                    text = user.split("REPLY:", 1)[1] if "REPLY:" in user else '{"ok": true}'
+                    if "REPLY:" in user:
+                        text = user.split("REPLY:", 1)[1]
+                    else:
+                        text = server.reply_fn(user) if server.reply_fn else '{"ok": true}'
                     if anthropic:
                         return self._send(200, {"content": [{"type": "text", "text": text}], "role": "assistant"})
                     return self._send(200, {"choices": [{"message": {"role": "assistant", "content": text}}]})
