@@ -34,6 +34,22 @@ def _parser() -> argparse.ArgumentParser:
     dt = dsub.add_parser("tiny", help="write a tiny Qwen3, tokenizer, RL parquet and sidecar")
     dt.add_argument("out_dir")
     dt.add_argument("--seed", type=int, default=0)
+    de = dsub.add_parser("extract", help="build the RL dataset (and SFT splits) from a subject model and a corpus")
+    de.add_argument("corpus", help="parquet or JSONL of documents: 'text', optional 'doc_id'")
+    de.add_argument("--model", required=True, help="the subject model's directory")
+    de.add_argument("--layer", type=int, required=True, help="the residual stream after this decoder block (0-based)")
+    de.add_argument("--out", required=True, help="output directory: <split>.parquet + sidecars")
+    de.add_argument("--positions-per-doc", type=int, default=10)
+    de.add_argument("--min-position", type=int, default=50, help="first token position a vector may come from")
+    de.add_argument("--max-docs", type=int)
+    de.add_argument("--splits", default="av_sft=0.25,ar_sft=0.25,rl=0.5", help="document shares per split (a hash of doc_id)")
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--max-tokens", type=int, default=512, help="documents are cut to this many tokens")
+    de.add_argument("--batch-size", type=int, default=16, help="documents per forward")
+    de.add_argument("--device", default="auto", help="auto (cuda when there is one), cuda, cuda:N or cpu")
+    de.add_argument("--injection-char", default="※", help="the marker character (one token in the tokenizer)")
+    de.add_argument("--injection-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
+    de.add_argument("--mse-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
     dc = dsub.add_parser("check", help="validate an RL parquet against its sidecar and tokenizer")
     dc.add_argument("parquet")
     dc.add_argument("--sidecar", help="sidecar YAML (default <parquet>.nla_meta.yaml)")
@@ -249,6 +265,16 @@ def main(argv=None) -> int:
     try:
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
+        if args.cmd == "data" and args.data_cmd == "extract":
+            from shared.extract import extract
+
+            written = extract(args.corpus, args.model, args.layer, args.out, args.positions_per_doc, args.min_position,
+                              args.max_docs, args.splits, args.seed, args.max_tokens, args.batch_size, device=args.device,
+                              injection_char=args.injection_char, injection_scale=args.injection_scale,
+                              mse_scale=args.mse_scale, log=lambda m: print(m, flush=True))
+            print(f"next: nla-grpo data check {written.get('rl', args.out)} && nla-grpo train CONFIG.yaml "
+                  f"--set data.parquet={written.get('rl', args.out)} --set model.path={args.model}")
+            return 0
         if args.cmd == "data" and args.data_cmd == "check":
             return _data_check(args)
         if args.cmd == "train":

@@ -1,0 +1,104 @@
+"""``nla-grpo data extract`` on the tiny model and a small generated corpus: the vectors are the model's
+own hidden states at the positions recorded, splits are document-disjoint, a killed run restarted is
+the uninterrupted one, the output passes ``data check`` and the official reader, bad inputs are one line."""
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from conftest import run_cli
+from shared.errors import NlaInputError
+from shared.extract import extract, parse_splits, split_of
+
+WORDS = "sea wave salt ship tide fish coral harbor sailor storm tree leaf moss wolf pine".split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    docs = [{"text": " ".join(rng.choice(WORDS, int(rng.integers(3, 70)))), "doc_id": f"d{i}"} for i in range(60)]
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path, {d["doc_id"]: d["text"] for d in docs}
+
+
+def _extract(corpus_path, tiny_dir, out, **kw):
+    return extract(corpus_path, tiny_dir / "model", 0, out, positions_per_doc=3, min_position=8, chunk_docs=16,
+                   batch_size=5, log=lambda m: None, **kw)
+
+
+def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, corpus, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from official_format import official_dataset_problems
+
+    path, texts = corpus
+    written = _extract(path, tiny_dir, tmp_path / "out")
+    assert set(written) == {"av_sft", "ar_sft", "rl"}
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
+    docs_by_split, worst, rows = {}, 0.0, 0
+    for name, parquet in written.items():
+        t = pq.read_table(parquet)
+        assert t.schema.field("activation_vector").type == pa.list_(pa.float32(), 64)
+        vecs = np.asarray(t.column("activation_vector").combine_chunks().flatten()).reshape(-1, 64)
+        for doc, n, text, layer, vec in zip(t.column("doc_id").to_pylist(), t.column("n_raw_tokens").to_pylist(),
+                                            t.column("detokenized_text_truncated").to_pylist(),
+                                            t.column("activation_layer").to_pylist(), vecs):
+            ids = tok(texts[doc])["input_ids"]
+            with torch.no_grad():
+                hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
+            worst = max(worst, float((hs[n - 1] - torch.from_numpy(vec)).abs().max()))
+            assert layer == 0 and n - 1 >= 8 and texts[doc].startswith(text)
+            assert tok(text)["input_ids"] == ids[:n]  # the text up to and including the position
+            rows += 1
+        docs_by_split[name] = set(t.column("doc_id").to_pylist())
+        assert all(split_of(d, parse_splits("av_sft=0.25,ar_sft=0.25,rl=0.5"), 0) == name for d in docs_by_split[name])
+        meta = __import__("yaml").safe_load(parquet.with_name(parquet.name + ".nla_meta.yaml").read_text())
+        assert official_dataset_problems(meta) == [] and meta["row_count"] == t.num_rows and meta["stage"] == name
+        if name == "rl":
+            res = run_cli("data", "check", parquet, timeout=120)
+            assert res.returncode == 0, res.stderr
+    assert worst <= 1e-5 and rows > 60, (worst, rows)
+    a, b, c = docs_by_split.values()
+    assert not (a & b or a & c or b & c)
+    short = {d for d, text in texts.items() if len(tok(text)["input_ids"]) <= 8}
+    assert short and not short & (a | b | c)  # too short for --min-position: no rows
+
+
+def test_a_killed_extraction_restarted_equals_an_uninterrupted_one(tiny_dir, corpus, tmp_path):
+    path, _ = corpus
+    whole = _extract(path, tiny_dir, tmp_path / "whole")
+    out = tmp_path / "killed"
+    assert _extract(path, tiny_dir, out, stop_after_chunks=2) == {}
+    parts = sorted((out / ".extract" / "rl").glob("part-*.parquet"))
+    assert [p.name for p in parts] == ["part-000000.parquet", "part-000001.parquet"]
+    (out / ".extract" / "rl" / "part-000002.parquet").write_bytes(b"half a part")  # the kill hit mid-write
+    with pytest.raises(NlaInputError, match="other arguments is here .seed differ."):
+        _extract(path, tiny_dir, out, seed=1)
+    again = _extract(path, tiny_dir, out)
+    for name in whole:
+        assert pq.read_table(again[name]).equals(pq.read_table(whole[name])), name
+        assert again[name].with_name(name + ".parquet.nla_meta.yaml").read_text() == \
+            whole[name].with_name(name + ".parquet.nla_meta.yaml").read_text()
+    assert not (out / ".extract").exists()
+
+
+def test_bad_inputs_are_one_line(tiny_dir, corpus, tmp_path):
+    path, _ = corpus
+    pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "notext.parquet")
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "fine text"}) + "\n" + json.dumps({"text": "  "}) + "\n")
+    for args, needle in (
+        ((tmp_path / "notext.parquet", "--layer", "0"), "no 'text' column (found ['body'])"),
+        ((tmp_path / "empty.jsonl", "--layer", "0"), "row 1, 'text': empty document"),
+        ((path, "--layer", "2"), "--layer: expected 0..1"),
+        ((path, "--layer", "0", "--splits", "rl=0.7,av_sft=0.2"), "expected shares summing to 1"),
+        ((path, "--layer", "0", "--injection-char", "moss"), "--injection-char: expected one token"),
+    ):
+        out = tmp_path / "out"
+        res = run_cli("data", "extract", *args, "--model", tiny_dir / "model", "--out", out, timeout=120)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and needle in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr and not any((out / n).exists() for n in ("rl.parquet", "av_sft.parquet"))
