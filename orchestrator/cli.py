@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--seed", type=int, default=0)
     de.add_argument("--max-tokens", type=int, default=512, help="documents are cut to this many tokens")
     de.add_argument("--batch-size", type=int, default=16, help="documents per forward")
+    de.add_argument("--chunk-docs", type=int, default=256, help="documents per row group (and per resumable step)")
     de.add_argument("--device", default="auto", help="auto (cuda when there is one), cuda, cuda:N or cpu")
+    de.add_argument("--workers", type=int, default=1, help="Ray tasks over the corpus's chunks: one per GPU (or CPU share)")
     de.add_argument("--injection-char", default="※", help="the marker character (one token in the tokenizer)")
     de.add_argument("--injection-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
     de.add_argument("--mse-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
@@ -269,9 +271,10 @@ def main(argv=None) -> int:
             from shared.extract import extract
 
             written = extract(args.corpus, args.model, args.layer, args.out, args.positions_per_doc, args.min_position,
-                              args.max_docs, args.splits, args.seed, args.max_tokens, args.batch_size, device=args.device,
+                              args.max_docs, args.splits, args.seed, args.max_tokens, args.batch_size, args.chunk_docs,
+                              device=args.device,
                               injection_char=args.injection_char, injection_scale=args.injection_scale,
-                              mse_scale=args.mse_scale, log=lambda m: print(m, flush=True))
+                              mse_scale=args.mse_scale, workers=args.workers, log=lambda m: print(m, flush=True))
             print(f"next: nla-grpo data check {written.get('rl', args.out)} && nla-grpo train CONFIG.yaml "
                   f"--set data.parquet={written.get('rl', args.out)} --set model.path={args.model}")
             return 0

@@ -24,6 +24,7 @@ import math
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -220,117 +221,209 @@ def _marker_tokens(tokenizer, marker: str, template: str) -> dict:
             "injection_right_neighbor_id": int(rendered[p + 1]), "critic_suffix_ids": None}
 
 
+@dataclass
+class ChunkJob:
+    """What a worker needs to extract its chunks (plain values: it travels to Ray tasks)."""
+
+    corpus: str
+    model: str
+    layer: int
+    positions_per_doc: int
+    min_position: int
+    max_docs: int | None
+    shares: dict
+    seed: int
+    max_tokens: int
+    batch_size: int
+    chunk_docs: int
+    device: str
+    dtype: str
+    work: str
+    d_model: int
+
+
+def _chunks(job: ChunkJob):
+    chunk = []
+    for i, doc_id, text in iter_corpus(Path(job.corpus)):
+        if job.max_docs is not None and i >= job.max_docs:
+            break
+        chunk.append((doc_id, text))
+        if len(chunk) == job.chunk_docs:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def run_chunks(job: ChunkJob, worker: int, workers: int, stop_after: int | None = None, on_chunk=None) -> tuple[int, bool]:
+    """Extract every ``workers``-th chunk from ``worker`` on that is not done yet: its rows as one part
+    file per split, then its done marker. Returns (documents too short, whether every chunk of this
+    worker is done)."""
+    import pyarrow.parquet as pq
+    import torch
+
+    from shared.check import load_tokenizer
+
+    work = Path(job.work)
+    tok = load_tokenizer(job.model)
+    extractor = None
+    prompt = [{"role": "user", "content": AV_TEMPLATE.format(injection_char="<INJECT>")}]
+    skipped, ran = 0, 0
+    for c, chunk in enumerate(_chunks(job)):
+        if c % workers != worker or (work / "done" / f"chunk-{c:06d}").exists():
+            continue
+        if stop_after is not None and ran >= stop_after:
+            return skipped, False
+        if extractor is None:
+            extractor = Extractor(Path(job.model), job.layer, job.device, getattr(torch, job.dtype))
+        rows = {name: [] for name in job.shares}
+        docs, short = [], 0
+        for doc_id, text in chunk:
+            enc = tok(text, add_special_tokens=True, return_offsets_mapping=True, truncation=True, max_length=job.max_tokens)
+            pos = positions_for(doc_id, len(enc["input_ids"]), job.positions_per_doc, job.min_position, job.seed)
+            if pos:
+                docs.append((doc_id, text, list(enc["input_ids"]), enc["offset_mapping"], pos))
+            else:
+                short += 1
+        skipped += short
+        order = sorted(range(len(docs)), key=lambda k: len(docs[k][2]))  # length-sorted batches: little padding
+        found = {}
+        for b in range(0, len(order), job.batch_size):
+            batch = order[b : b + job.batch_size]
+            h = extractor.residuals([docs[k][2] for k in batch])
+            for row, k in enumerate(batch):
+                found[k] = [(p, h[row, p].numpy().copy()) for p in docs[k][4]]
+        for k, (doc_id, text, ids, offsets, pos) in enumerate(docs):
+            split = split_of(doc_id, job.shares, job.seed)
+            for p, vec in found[k]:
+                end = offsets[p][1] if offsets[p][1] else offsets[p - 1][1] if p else 0
+                rows[split].append({"doc_id": doc_id, "vector": vec, "layer": job.layer, "n_raw_tokens": p + 1, "text": text[:end]})
+        for name in job.shares:  # each part appears whole or not at all, and the marker after all of them
+            tmp = work / name / f".part-{c:06d}.tmp"
+            pq.write_table(_table(rows[name], job.d_model, prompt), tmp, write_page_checksum=True)
+            tmp.replace(work / name / f"part-{c:06d}.parquet")
+        (work / "done" / f".chunk-{c:06d}.tmp").write_text(json.dumps({"skipped": short}))
+        (work / "done" / f".chunk-{c:06d}.tmp").replace(work / "done" / f"chunk-{c:06d}")
+        ran += 1
+        if on_chunk is not None:
+            on_chunk()
+    return skipped, True
+
+
+def _run_on_ray(job: ChunkJob, workers: int, stop_after: int | None, progress) -> tuple[int, bool]:
+    """One Ray task per worker (a GPU each on CUDA, a share of the cores on the CPU); progress from the
+    done markers while they run."""
+    import os
+
+    import ray
+
+    from orchestrator.placement import start_ray
+
+    start_ray()
+    gpu = job.device.startswith("cuda")
+    if gpu:
+        job = ChunkJob(**{**job.__dict__, "device": "cuda"})  # each task sees its own GPU as cuda:0
+    threads = max(1, (os.cpu_count() or 1) // workers)
+
+    def task(w):
+        import torch
+
+        torch.set_num_threads(threads)
+        return run_chunks(job, w, workers, stop_after)
+
+    remote = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, max_retries=0)(task)
+    refs = [remote.remote(w) for w in range(workers)]
+    pending = list(refs)
+    while pending:
+        _, pending = ray.wait(pending, timeout=5.0)
+        progress()
+    results = ray.get(refs)
+    return sum(r[0] for r in results), all(r[1] for r in results)
+
+
 def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10, min_position: int = 50,
             max_docs: int | None = None, splits: str = "av_sft=0.25,ar_sft=0.25,rl=0.5", seed: int = 0,
             max_tokens: int = 512, batch_size: int = 16, chunk_docs: int = 256, device: str = "auto",
             injection_char: str = "※", injection_scale: str = "sqrt_d_model", mse_scale: str = "sqrt_d_model",
-            log=print, stop_after_chunks: int | None = None) -> dict[str, Path]:
-    """Write the splits into ``out_dir``; returns ``{split: parquet}``. ``stop_after_chunks`` stops
-    early, as a kill would (for tests)."""
-    import pyarrow.parquet as pq
+            workers: int = 1, log=print, stop_after_chunks: int | None = None) -> dict[str, Path]:
+    """Write the splits into ``out_dir``; returns ``{split: parquet}``. ``workers`` > 1: one Ray task per
+    GPU (or per CPU core share) over every ``workers``-th chunk. ``stop_after_chunks`` stops after that
+    many chunks, as a kill would (for tests)."""
     import torch
-    import yaml
 
-    from shared.check import load_tokenizer
-    from shared.schema import fve_baselines
+    from shared.check import load_tokenizer, model_config_field
 
     corpus, model_dir, out = Path(corpus), Path(model_dir), Path(out_dir)
     shares = parse_splits(splits)
     for name, value, low in (("--positions-per-doc", positions_per_doc, 1), ("--min-position", min_position, 0),
-                             ("--max-tokens", max_tokens, 2), ("--batch-size", batch_size, 1), ("--chunk-docs", chunk_docs, 1)):
+                             ("--max-tokens", max_tokens, 2), ("--batch-size", batch_size, 1), ("--chunk-docs", chunk_docs, 1),
+                             ("--workers", workers, 1)):
         if value < low:
             raise NlaInputError(name, f"expected at least {low}, found {value}")
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (--model)")
     next(iter_corpus(corpus), None)  # the corpus opens and has its column, before the model loads
+    blocks = model_config_field(model_dir, "num_hidden_layers")
+    if blocks is not None and not 0 <= layer < blocks:
+        raise NlaInputError("--layer", f"expected 0..{blocks - 1} ({model_dir} has {blocks} decoder blocks), found {layer}")
+    d = model_config_field(model_dir, "hidden_size")
     tok = load_tokenizer(model_dir)
     tokens = _marker_tokens(tok, injection_char, AV_TEMPLATE)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    extractor = Extractor(model_dir, layer, device, dtype)
-    d = extractor.d_model
     for name, value in (("--injection-scale", injection_scale), ("--mse-scale", mse_scale)):
         try:
             _scale(value, d)
         except ValueError:
             raise NlaInputError(name, f"expected a positive number, 'sqrt_d_model' or 'raw', found {value!r}") from None
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
     args = {"corpus": str(corpus.resolve()), "model": str(model_dir.resolve()), "layer": layer, "positions_per_doc": positions_per_doc,
             "min_position": min_position, "max_docs": max_docs, "splits": shares, "seed": seed, "max_tokens": max_tokens,
-            "chunk_docs": chunk_docs, "injection_char": injection_char, "dtype": str(dtype)}
+            "chunk_docs": chunk_docs, "injection_char": injection_char, "dtype": dtype}
     work = out / ".extract"
     state_path = work / STATE
-    done = 0
     if state_path.is_file():
         state = json.loads(state_path.read_text())
         if state["args"] != args:
             changed = sorted(k for k in args if state["args"].get(k) != args[k])
             raise NlaInputError(out, f"an unfinished extraction with other arguments is here ({', '.join(changed)} differ): "
                                      "rerun it as it was, or choose another OUT_DIR")
-        done = int(state["chunks_done"])
-        log(f"[extract] resuming after {done} chunk(s) of {chunk_docs} documents")
+        log(f"[extract] resuming: {len(list((work / 'done').glob('chunk-*')))} chunk(s) of {chunk_docs} documents done")
     elif out.exists() and any(p.name != ".extract" for p in out.iterdir()):
         raise NlaInputError(out, "exists and is not empty (choose a new OUT_DIR)")
-    work.mkdir(parents=True, exist_ok=True)
+    (work / "done").mkdir(parents=True, exist_ok=True)
+    state_path.write_text(json.dumps({"args": args}))
+    done = {int(p.name.split("-")[1]) for p in (work / "done").glob("chunk-*")}
     for name in shares:
         (work / name).mkdir(exist_ok=True)
-        for part in (work / name).glob("part-*.parquet"):  # a chunk the kill interrupted: done again
-            if int(part.stem.split("-")[1]) >= done:
+        for part in (work / name).glob("*part-*"):  # a chunk the kill interrupted: done again
+            if part.suffix != ".parquet" or int(part.stem.split("-")[1]) not in done:
                 part.unlink()
-    prompt = [{"role": "user", "content": AV_TEMPLATE.format(injection_char="<INJECT>")}]
+    job = ChunkJob(str(corpus), str(model_dir), layer, positions_per_doc, min_position, max_docs, shares, seed, max_tokens,
+                   batch_size, chunk_docs, device, dtype, str(work), d)
     total = corpus_size(corpus) if max_docs is None else min(max_docs, corpus_size(corpus))
-    t0, seen, skipped = time.time(), done * chunk_docs, 0
+    t0, before = time.time(), len(done)
 
-    def chunks():
-        chunk = []
-        for i, doc_id, text in iter_corpus(corpus):
-            if max_docs is not None and i >= max_docs:
-                break
-            chunk.append((doc_id, text))
-            if len(chunk) == chunk_docs:
-                yield chunk
-                chunk = []
-        if chunk:
-            yield chunk
-
-    for c, chunk in enumerate(chunks()):
-        if c < done:
-            continue
-        if stop_after_chunks is not None and c >= stop_after_chunks:
-            return {}
-        rows = {name: [] for name in shares}
-        docs = []
-        for doc_id, text in chunk:
-            enc = tok(text, add_special_tokens=True, return_offsets_mapping=True, truncation=True, max_length=max_tokens)
-            pos = positions_for(doc_id, len(enc["input_ids"]), positions_per_doc, min_position, seed)
-            if pos:
-                docs.append((doc_id, text, list(enc["input_ids"]), enc["offset_mapping"], pos))
-            else:
-                skipped += 1
-        order = sorted(range(len(docs)), key=lambda k: len(docs[k][2]))  # length-sorted batches: little padding
-        found = {}
-        for b in range(0, len(order), batch_size):
-            batch = [docs[k] for k in order[b : b + batch_size]]
-            h = extractor.residuals([x[2] for x in batch])
-            for row, k in enumerate(order[b : b + batch_size]):
-                found[k] = [(p, h[row, p].numpy().copy()) for p in docs[k][4]]
-        for k, (doc_id, text, ids, offsets, pos) in enumerate(docs):
-            split = split_of(doc_id, shares, seed)
-            for p, vec in found[k]:
-                end = offsets[p][1] if offsets[p][1] else offsets[p - 1][1] if p else 0
-                rows[split].append({"doc_id": doc_id, "vector": vec, "layer": layer, "n_raw_tokens": p + 1, "text": text[:end]})
-        for name in shares:  # each part appears whole or not at all
-            tmp = work / name / f".part-{c:06d}.tmp"
-            pq.write_table(_table(rows[name], d, prompt), tmp, write_page_checksum=True)
-            tmp.replace(work / name / f"part-{c:06d}.parquet")
-        state_tmp = work / ".state.tmp"
-        state_tmp.write_text(json.dumps({"args": args, "chunks_done": c + 1}))
-        state_tmp.replace(state_path)
-        seen += len(chunk)
-        rate = (seen - done * chunk_docs) / max(time.time() - t0, 1e-9)
+    def progress():
+        n = len(list((work / "done").glob("chunk-*")))
+        seen = min(total, n * chunk_docs)
+        rate = (n - before) * chunk_docs / max(time.time() - t0, 1e-9)
         eta = (total - seen) / rate if rate > 0 else float("nan")
         log(f"[extract] {seen}/{total} documents | {rate:.1f} docs/s | ETA {eta:.0f} s")
 
-    # ---- merge the parts, then the sidecars ----
+    if workers == 1:
+        _, finished = run_chunks(job, 0, 1, stop_after_chunks, on_chunk=progress)
+    else:
+        _, finished = _run_on_ray(job, workers, stop_after_chunks, progress)
+    if not finished:
+        return {}
+
+    # ---- merge the parts in chunk order (the same whatever the workers), then the sidecars ----
+    import pyarrow.parquet as pq
+    import yaml
+
+    from shared.schema import fve_baselines
+
+    skipped = sum(json.loads(m.read_text())["skipped"] for m in (work / "done").glob("chunk-*"))
     written = {}
     for name in shares:
         parts = sorted((work / name).glob("part-*.parquet"))

@@ -87,6 +87,21 @@ def test_a_killed_extraction_restarted_equals_an_uninterrupted_one(tiny_dir, cor
     assert not (out / ".extract").exists()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_ray_workers_give_the_same_dataset(tiny_dir, corpus, tmp_path):
+    """One Ray task per worker over every other chunk (a GPU each on a GPU node), merged in chunk order."""
+    path, _ = corpus
+    whole = _extract(path, tiny_dir, tmp_path / "one")
+    out = tmp_path / "two"
+    res = run_cli("data", "extract", path, "--model", tiny_dir / "model", "--layer", "0", "--out", out, "--workers", "2",
+                  "--positions-per-doc", "3", "--min-position", "8", "--batch-size", "5", "--chunk-docs", "16", timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "documents |" in res.stdout and "docs/s" in res.stdout
+    for name in whole:
+        assert pq.read_table(out / f"{name}.parquet").equals(pq.read_table(whole[name])), name
+
+
 def test_bad_inputs_are_one_line(tiny_dir, corpus, tmp_path):
     path, _ = corpus
     pq.write_table(pa.table({"body": ["some text"]}), tmp_path / "notext.parquet")
