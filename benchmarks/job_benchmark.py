@@ -109,6 +109,8 @@ def main() -> int:
                     help="injection.mode (karvonen: the injecting model class, compiled like embed)")
     ap.add_argument("--optimizer", choices=["auto", "adamw", "adamw8bit"], default="adamw",
                     help="learner.optimizer (adamw: what every figure before bitsandbytes used)")
+    ap.add_argument("--shape", choices=["qwen3-8b", "qwen3-32b"], default="qwen3-8b",
+                    help="qwen3-32b: 64 blocks, hidden 5120, written pre-quantised in NF4 (needs --quantization nf4 and its own --workdir)")
     ap.add_argument("--quantization", choices=["none", "nf4"], default="none",
                     help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
     args = ap.parse_args()
@@ -122,11 +124,16 @@ def main() -> int:
 
     import yaml
 
-    shape = step_benchmark.QWEN3_8B
+    shape = step_benchmark.QWEN3_32B if args.shape == "qwen3-32b" else step_benchmark.QWEN3_8B
+    if args.shape == "qwen3-32b":
+        if args.quantization != "nf4":
+            ap.error("--shape qwen3-32b needs --quantization nf4 (its bf16 checkpoint, 65 GB, does not fit the disk)")
+        args.layers = shape["num_hidden_layers"] if args.layers == step_benchmark.QWEN3_8B["num_hidden_layers"] else args.layers
     if args.placement == "cpu":
         step_benchmark.DEVICE, shape = "cpu", step_benchmark.SMALL
         args.layers, args.critic_layers, args.lora_r, args.new_tokens = 4, 3, 8, 16
-    root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0)
+    root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0,
+                                        nf4=args.shape == "qwen3-32b")
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}"))
     cfg_path = root / f"job-{tag}.yaml"

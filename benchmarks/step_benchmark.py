@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
                 max_position_embeddings=4096, tie_word_embeddings=False)
+QWEN3_32B = dict(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                 num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                 max_position_embeddings=4096, tie_word_embeddings=False)
 # a dry-run shape for checking the script on a CPU
 SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=2, head_dim=32, rope_theta=1e4, rms_norm_eps=1e-6, max_position_embeddings=1024,
@@ -42,8 +45,9 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 DEVICE = "cuda"
 
 
-def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len: int, seed: int) -> Path:
-    """Model dir (random bf16 weights + small tokenizer), RL parquet and sidecar under ``root``."""
+def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len: int, seed: int, nf4: bool = False) -> Path:
+    """Model dir (random bf16 weights + small tokenizer), RL parquet and sidecar under ``root``; ``nf4``:
+    the weights written pre-quantised (``nf4_checkpoint.py``: a 32B shape does not fit the disk in bf16)."""
     import numpy as np
     import torch
     import yaml
@@ -60,12 +64,18 @@ def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len
     cfg = Qwen3Config(**{**shape, "num_hidden_layers": layers}, eos_token_id=eos[0], pad_token_id=eos[1],
                       bos_token_id=None, dtype="bfloat16")
     torch.manual_seed(seed)
-    with torch.device(DEVICE):
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])
-    model.save_pretrained(mdir, safe_serialization=True, max_shard_size="5GB")
+    if nf4:
+        from nf4_checkpoint import write_random_nf4
+
+        write_random_nf4(mdir, cfg, device=DEVICE, seed=seed)
+        GenerationConfig(eos_token_id=eos, pad_token_id=eos[1]).save_pretrained(mdir)
+    else:
+        with torch.device(DEVICE):
+            model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos[1])
+        model.save_pretrained(mdir, safe_serialization=True, max_shard_size="5GB")
+        del model
     tok.save_pretrained(mdir)
-    del model
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     # pad the user message with words until the rendered prompt is about prompt_len tokens

@@ -179,6 +179,46 @@ def test_an_imported_4bit_ar_predicts_what_a_reference_style_nf4_critic_predicts
     assert (ours - theirs).abs().max().item() <= 1e-3, (ours - theirs).abs().max()
 
 
+def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_dir, tmp_path):
+    """benchmarks/nf4_checkpoint.py (how the 32B-shape benchmark fits the disk): the tensors it writes are
+    those transformers' own NF4 save holds, byte for byte; transformers and vLLM load the directory."""
+    pytest.importorskip("bitsandbytes")
+    vllm = pytest.importorskip("vllm")
+    import sys
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from shared.quantization import hf_quantization
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from nf4_checkpoint import QUANTIZATION_CONFIG, quantized_state
+
+    src = tiny_bf16_dir / "model"
+    theirs = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, quantization_config=hf_quantization("nf4", torch.bfloat16),
+                                                  device_map={"": "cuda"})
+    theirs.save_pretrained(tmp_path / "hf")
+    ref = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    bf16 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
+    mine = quantized_state([(k, v) for k, v in bf16.items() if k in ref or k + ".absmax" in ref], "cuda")
+    assert mine.keys() == ref.keys()
+    assert all(torch.equal(mine[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in ref)
+    out = tmp_path / "mine"
+    out.mkdir()
+    save_file(mine, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+    config = json.loads((src / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16", "quantization_config": QUANTIZATION_CONFIG}))
+    x = torch.tensor([[5, 17, 33, 2, 9, 100]], device="cuda")
+    loaded = AutoModelForCausalLM.from_pretrained(out, device_map={"": "cuda"})
+    assert torch.equal(loaded(x).logits, theirs(x).logits)
+    llm = vllm.LLM(model=str(out), quantization="bitsandbytes", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256)
+    got = llm.generate([{"prompt_token_ids": [5, 17, 33]}], vllm.SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(got[0].outputs[0].token_ids) == 4
+
+
 def test_colocated_nf4_job_runs_with_logprobs_at_the_noise_floor(tiny_bf16_dir, tmp_path):
     """The reference trainer's default precision through the whole job: NF4 learner, vLLM in flight, critic."""
     pytest.importorskip("bitsandbytes")
