@@ -74,10 +74,13 @@ class Judge:
         self.concurrency = cfg.concurrency or DEFAULT_CONCURRENCY[cfg.backend]
         self._key = None
         if cfg.api_key_env is not None:
-            self._key = os.environ.get(cfg.api_key_env)
+            self._key = (os.environ.get(cfg.api_key_env) or "").strip()  # a key read from a CRLF .env file ends in \r
             if not self._key:
                 raise NlaInputError("evals.judge.api_key_env", f"the environment variable {cfg.api_key_env} is not set "
                                                                "(export the judge's key there)")
+            if any(c.isspace() or not c.isprintable() for c in self._key):
+                raise NlaInputError("evals.judge.api_key_env", f"the key in {cfg.api_key_env} holds whitespace or control "
+                                                               "characters, which no HTTP header can carry")
         self._sleep = sleep
         self._client = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=self._headers())
 
@@ -91,7 +94,10 @@ class Judge:
 
     def _masked(self, text: str, limit: int = 300) -> str:
         """``text`` with the key masked out, then cut (never the other way: a cut could split the key)."""
-        return (text.replace(self._key, "***") if self._key else text)[:limit]
+        if self._key:
+            for form in (self._key, repr(self._key)[1:-1], repr(self._key.encode())[2:-1]):
+                text = text.replace(form, "***")
+        return text[:limit]
 
     # ---- one request ----
     def _request(self, system: str, user: str) -> tuple[str, dict]:
@@ -147,8 +153,11 @@ class Judge:
         """``(system, user)`` prompts judged ``concurrency`` at a time, verdicts in prompt order."""
         if not prompts:
             return []
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)))
+        try:
             return list(pool.map(lambda p: self.ask(*p), prompts))
+        finally:  # Ctrl-C or SIGTERM: the queued requests are dropped, not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def check(self) -> None:
         """Before training starts: the server answers (one line naming it and the cause otherwise)."""

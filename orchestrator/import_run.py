@@ -118,6 +118,19 @@ def _actor_optimizer(state: dict, names: list[str], sizes: dict[str, int], lr: f
     return {"state": new_state, "param_groups": new_groups}, ("AdamW8bit" if eightbit else "AdamW"), notes
 
 
+def _check_anchor(iter_dir: Path, av_sft: Path) -> None:
+    """``ITER_DIR/reference/`` (where the reference trainer saved its KL anchor) holds the ``--av-sft`` tensors."""
+    from shared.fileio import load_tensors
+
+    saved = iter_dir / "reference" / "adapter_model.safetensors"
+    if not saved.is_file():
+        return
+    a, b = load_tensors(saved), load_tensors(av_sft / "adapter_model.safetensors")
+    same = a.keys() == b.keys() and all(a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)
+    if not same:
+        raise NlaInputError(av_sft, f"--av-sft: its tensors are not those of {saved.parent}, the KL anchor that run used")
+
+
 def import_run(iter_dir, av_sft, config, run_dir, overrides=(), log=print) -> Path:
     """Write ``run_dir`` (removed again if anything fails); returns its checkpoint directory."""
     from orchestrator.run_dir import RunDir
@@ -129,6 +142,7 @@ def import_run(iter_dir, av_sft, config, run_dir, overrides=(), log=print) -> Pa
     _adapter_dir(iter_dir, "ITER_DIR")
     _adapter_dir(av_sft, "--av-sft")
     state = read_training_state(iter_dir / TRAINING_STATE)
+    _check_anchor(iter_dir, av_sft)
     existed = run_dir.exists()
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,7 +189,12 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
         if not cfg.critic.train:
             notes.append(f"critic: the reference run co-trained it; with critic.train false it stays as it was at step {step}")
     elif cfg.critic.train:
+        if cfg.critic.checkpoint is None:
+            raise NlaInputError("config", "critic.checkpoint: the reference run co-trained no critic (no critic/ in "
+                                          f"{iter_dir}); name the AR it scored with (`nla-grpo critic import-reference`)")
         notes.append("critic: the reference run did not train it; critic.train true trains it from here on")
+    # the reference trainer encodes critic prompts without special tokens: its ARs read them so
+    raw["critic"]["add_bos"] = False
     sd = state["actor_optim_state"]
     eightbit = any(NESTED_8BIT in s or "state1" in s for s in sd.get("state", {}).values())
     kind = "adamw8bit" if eightbit else "adamw"

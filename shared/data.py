@@ -219,6 +219,8 @@ class ReferenceOrder:
             self.rng.bit_generator.state = rng_state
         if sorted(pending) != list(range(n)):
             raise ValueError(f"the row order is not a permutation of the {n} training rows ({len(pending)} entries)")
+        if not 0 <= int(cursor) <= n:
+            raise ValueError(f"cursor: expected 0..{n}, found {cursor}")
         self.pending, self.cursor = [int(i) for i in pending], int(cursor)
 
     def next_batch(self, k: int) -> list[int]:

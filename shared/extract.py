@@ -52,6 +52,19 @@ def _scale(value: str, d: int) -> float | None:
     return x
 
 
+def _lock(work: Path):
+    """An OS lock on the extraction directory: a second extraction into it is one line."""
+    import fcntl
+
+    f = open(work / ".lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise NlaInputError(work.parent, "another extraction is writing into this directory") from None
+    return f
+
+
 def parse_splits(text: str) -> dict[str, float]:
     """``av_sft=0.25,ar_sft=0.25,rl=0.5`` -> shares that sum to 1 (one line naming the problem otherwise)."""
     out = {}
@@ -114,14 +127,18 @@ def iter_corpus(path: Path, text_column: str = "text"):
                 i += 1
         return
     with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+        i = 0
+        for n, line in enumerate(f):
+            if not line.strip():
+                continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise NlaInputError(path, f"line {i + 1}: not JSON ({exc.msg})") from None
+                raise NlaInputError(path, f"line {n + 1}: not JSON ({exc.msg})") from None
             if not isinstance(rec, dict) or text_column not in rec:
-                raise NlaInputError(path, f"line {i + 1}: no '{text_column}' field")
+                raise NlaInputError(path, f"line {n + 1}: no '{text_column}' field")
             yield i, _doc_id(rec.get("doc_id"), stem, i), _text(rec[text_column], path, i, text_column)
+            i += 1
 
 
 def _doc_id(doc, stem: str, i: int) -> str:
@@ -167,7 +184,9 @@ class Extractor:
             hf_logging.set_verbosity(verbosity)
             if bars:
                 hf_logging.enable_progress_bar()
-        self.body = model.model
+        self.body = model.get_decoder()  # the language model's decoder, also inside a multimodal wrapper
+        if not isinstance(getattr(self.body, "norm", None), torch.nn.Module):
+            raise NlaInputError(model_dir, f"no final norm found on {type(self.body).__name__}: cannot take the raw residual")
         self.body.norm = torch.nn.Identity()  # the residual after block `layer`, not its normalised form
         self.device, self.d_model = device, text.hidden_size
 
@@ -334,10 +353,17 @@ def _run_on_ray(job: ChunkJob, workers: int, stop_after: int | None, progress) -
     remote = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1, max_retries=0)(task)
     refs = [remote.remote(w) for w in range(workers)]
     pending = list(refs)
-    while pending:
-        _, pending = ray.wait(pending, timeout=5.0)
-        progress()
-    results = ray.get(refs)
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, timeout=5.0)
+            ray.get(ready)  # the first failure stops the others at once
+            progress()
+        results = ray.get(refs)
+    except ray.exceptions.RayTaskError as exc:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+        raise cause from None
     return sum(r[0] for r in results), all(r[1] for r in results)
 
 
@@ -360,6 +386,9 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
                              ("--workers", workers, 1)):
         if value < low:
             raise NlaInputError(name, f"expected at least {low}, found {value}")
+    if min_position >= max_tokens:
+        raise NlaInputError("--min-position", f"expected below --max-tokens ({max_tokens}): no position could be taken, "
+                                              f"found {min_position}")
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (--model)")
     next(iter_corpus(corpus), None)  # the corpus opens and has its column, before the model loads
@@ -378,11 +407,16 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     args = {"corpus": str(corpus.resolve()), "model": str(model_dir.resolve()), "layer": layer, "positions_per_doc": positions_per_doc,
             "min_position": min_position, "max_docs": max_docs, "splits": shares, "seed": seed, "max_tokens": max_tokens,
-            "chunk_docs": chunk_docs, "injection_char": injection_char, "dtype": dtype}
+            "chunk_docs": chunk_docs, "injection_char": injection_char, "dtype": dtype, "batch_size": batch_size,
+            "device": device}
     work = out / ".extract"
     state_path = work / STATE
     if state_path.is_file():
-        state = json.loads(state_path.read_text())
+        try:
+            state = json.loads(state_path.read_text())
+            state["args"]
+        except (ValueError, KeyError, TypeError):
+            raise NlaInputError(state_path, "damaged (remove OUT_DIR/.extract to start again)") from None
         if state["args"] != args:
             changed = sorted(k for k in args if state["args"].get(k) != args[k])
             raise NlaInputError(out, f"an unfinished extraction with other arguments is here ({', '.join(changed)} differ): "
@@ -391,7 +425,9 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     elif out.exists() and any(p.name != ".extract" for p in out.iterdir()):
         raise NlaInputError(out, "exists and is not empty (choose a new OUT_DIR)")
     (work / "done").mkdir(parents=True, exist_ok=True)
-    state_path.write_text(json.dumps({"args": args}))
+    held = _lock(work)  # until the merge is done
+    (work / ".state.tmp").write_text(json.dumps({"args": args}))
+    (work / ".state.tmp").replace(state_path)
     done = {int(p.name.split("-")[1]) for p in (work / "done").glob("chunk-*")}
     for name in shares:
         (work / name).mkdir(exist_ok=True)
@@ -423,6 +459,12 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
 
     from shared.schema import fve_baselines
 
+    marks = sorted(int(m.name.split("-")[1]) for m in (work / "done").glob("chunk-*"))
+    for name in shares:
+        have = sorted(int(p.stem.split("-")[1]) for p in (work / name).glob("part-*.parquet"))
+        if marks != list(range(len(marks))) or have != marks:
+            raise NlaInputError(work, f"the parts of split {name} do not match the finished chunks (another extraction "
+                                      "into this directory?): remove OUT_DIR/.extract and run again")
     skipped = sum(json.loads(m.read_text())["skipped"] for m in (work / "done").glob("chunk-*"))
     written = {}
     for name in shares:
@@ -435,7 +477,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
             if table.num_rows:
                 writer.write_table(table)
                 count += table.num_rows
-                if len(sample) < 4000:
+                if sum(len(x) for x in sample) < 4000:  # rows for the FVE baselines, not every part
                     sample.append(np.asarray(table.column("activation_vector").combine_chunks().flatten()).reshape(-1, d))
         writer.close()
         if count == 0:
@@ -458,6 +500,10 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
         }
         (out / f"{name}.parquet.nla_meta.yaml").write_text(yaml.safe_dump(meta, sort_keys=False, allow_unicode=True), encoding="utf-8")
         written[name] = target
+    if "rl" not in written:
+        raise NlaInputError(corpus, f"no rl rows: every document is shorter than --min-position ({min_position} tokens) "
+                                    "or went to another split")
+    held.close()
     shutil.rmtree(work)
     log(f"[extract] {', '.join(f'{n}: {pq.ParquetFile(p).metadata.num_rows} rows' for n, p in written.items())}"
         f" ({skipped} documents shorter than --min-position skipped)")

@@ -21,7 +21,7 @@ def corpus(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
     docs = [{"text": " ".join(rng.choice(WORDS, int(rng.integers(3, 70)))), "doc_id": f"d{i}"} for i in range(60)]
-    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    path.write_text("".join(json.dumps(d) + "\n" + ("\n" if i == 7 else "") for i, d in enumerate(docs)))  # a blank line is skipped
     return path, {d["doc_id"]: d["text"] for d in docs}
 
 
@@ -112,6 +112,7 @@ def test_bad_inputs_are_one_line(tiny_dir, corpus, tmp_path):
         ((path, "--layer", "2"), "--layer: expected 0..1"),
         ((path, "--layer", "0", "--splits", "rl=0.7,av_sft=0.2"), "expected shares summing to 1"),
         ((path, "--layer", "0", "--injection-char", "moss"), "--injection-char: expected one token"),
+        ((path, "--layer", "0", "--min-position", "64", "--max-tokens", "64"), "--min-position: expected below --max-tokens (64)"),
     ):
         out = tmp_path / "out"
         res = run_cli("data", "extract", *args, "--model", tiny_dir / "model", "--out", out, timeout=120)

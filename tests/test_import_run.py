@@ -255,6 +255,20 @@ def test_a_co_trained_critic_is_imported_with_the_run(tiny_dir, reference_iter, 
     assert RunDir(tmp_path / "run").checkpoint_problem(ckpt) is None
 
 
+def test_an_av_sft_that_is_not_the_runs_anchor_is_refused(tiny_dir, reference_iter, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from orchestrator.import_run import import_run
+
+    other = tmp_path / "other_sft"
+    shutil.copytree(reference_iter["av_sft"], other)
+    t = load_file(str(other / "adapter_model.safetensors"))
+    save_file({k: v + 1e-3 if "lora_B" in k else v for k, v in t.items()}, str(other / "adapter_model.safetensors"))
+    with pytest.raises(Exception, match=r"--av-sft: its tensors are not those of .*iter_000004/reference, the KL anchor"):
+        import_run(reference_iter["iter"], other, _config(tiny_dir, tmp_path / "c.yaml"), tmp_path / "run", log=lambda m: None)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_an_imported_run_resumes_in_the_reference_order(tiny_dir, reference_iter, tmp_path):

@@ -60,8 +60,8 @@ def test_metrics_count_claims_and_quirks_and_never_pass_a_failure(monkeypatch):
     assert by[("hallucination", "row-3")]["judge_error"] == "no JSON object in the judge's reply"
     assert by[("karvonen_confusion", "rec-4")]["judge_error"] == "the reply has the wrong shape"
     assert all(r["step"] == 7 and "text" not in r for r in records)
-    prompt = server.requests[0]["body"]["messages"][1]["content"]
-    assert "the sea and a ship" in prompt and "sea ship" in prompt  # the judge reads the source text
+    prompts = [r["body"]["messages"][1]["content"] for r in server.requests]
+    assert any("the sea and a ship" in p and "<<<\nsea ship\n>>>" in p for p in prompts)  # the judge reads the source text
     # a judge that cannot be reached: every item a failure, no rate computed from nothing
     judge = _judge("http://127.0.0.1:9")
     judge.cfg = judge.cfg.model_copy(update={"retries": 0})

@@ -79,6 +79,12 @@ def test_a_missing_key_a_judge_that_is_down_or_refuses_the_key_is_one_line(monke
     monkeypatch.delenv("NLA_TEST_JUDGE_KEY", raising=False)
     with pytest.raises(NlaInputError, match="evals.judge.api_key_env: the environment variable NLA_TEST_JUDGE_KEY is not set"):
         _judge("http://127.0.0.1:9/v1")
+    monkeypatch.setenv("NLA_TEST_JUDGE_KEY", "sk-with inner-space")
+    with pytest.raises(NlaInputError, match="holds whitespace or control characters") as exc:
+        _judge("http://127.0.0.1:9/v1")
+    assert "inner-space" not in str(exc.value)
+    monkeypatch.setenv("NLA_TEST_JUDGE_KEY", KEY + "\r\n")  # as read from a CRLF .env file: taken without the line end
+    assert _judge("http://127.0.0.1:9/v1")._key == KEY
     monkeypatch.setenv("NLA_TEST_JUDGE_KEY", KEY)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
