@@ -35,9 +35,22 @@ def tiny_bf16_dir(tiny_dir, tmp_path_factory):
     return out
 
 
-def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none") -> list[float]:
+_PARITY: dict = {}  # (dir, transport, injection mode, quantization) -> k3 per push, so a test reuses another's figures
+
+
+def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none", limits=(0.05, 0.01),
+               cache: bool = True) -> list[float]:
     """Three pushes with training between, each followed by a rollout that the learner rescores;
-    returns each push's k3 (and checks mean |Δlogp| and k3 at the bf16 noise level)."""
+    returns each push's k3 (and checks mean |Δlogp| and k3 below ``limits``, the bf16 noise level)."""
+    key = (str(tiny_dir), transport, injection and injection["mode"], quantization)
+    if not cache:
+        return _measure_parity(tiny_dir, transport, injection, quantization, limits)
+    if key not in _PARITY:
+        _PARITY[key] = _measure_parity(tiny_dir, transport, injection, quantization, limits)
+    return _PARITY[key]
+
+
+def _measure_parity(tiny_dir, transport, injection, quantization, limits) -> list[float]:
     from learner.service import Learner
     from rollout.vllm_engine import VllmEngine
 
@@ -68,7 +81,7 @@ def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "no
             k3 = (torch.exp(-d) + d - 1).mean().item()
             print(f"{transport} {injection and injection['mode']} {quantization} v{learner.version}: mean |dlogp| "
                   f"{d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
-            assert d.abs().mean() < 0.05 and k3 < 0.01
+            assert d.abs().mean() < limits[0] and k3 < limits[1]
             figures.append(k3)
             adv = torch.randn(len(samples)).tolist()
             learner.update(samples, adv, vectors)
@@ -78,7 +91,7 @@ def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "no
 
 
 @pytest.mark.parametrize("transport", ["memory", "memory-bytes", "file", "memory-karvonen"])
-def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypatch):
+def test_bf16_vllm_matches_learner_after_each_push(tiny_bf16_dir, transport, monkeypatch):
     """memory: engine in this process, GPU tensors straight into the worker; memory-bytes: a separate
     engine-core process, safetensors bytes; file: an adapter directory; memory-karvonen: karvonen
     injection (the injecting model class, compiled with CUDA graphs and LoRA; chunked prefill with the
@@ -87,7 +100,9 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_dir, transport, monkeypa
     if transport == "memory-bytes":
         monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     injection = {"mode": "karvonen", "karvonen_layer": 0} if transport.endswith("-karvonen") else None
-    _parity_k3(tiny_dir, transport.removesuffix("-bytes").removesuffix("-karvonen"), injection)
+    # the bf16-stored tiny model (as the NF4 test's own bf16 pair, which then reuses these figures)
+    _parity_k3(tiny_bf16_dir, transport.removesuffix("-bytes").removesuffix("-karvonen"), injection,
+               cache=transport != "memory-bytes")  # the bytes route shares "memory"'s key but must run itself
 
 
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])
@@ -100,6 +115,26 @@ def test_nf4_vllm_matches_the_nf4_learner(tiny_bf16_dir, mode):
     bf16 = _parity_k3(tiny_bf16_dir, "memory", injection, "none")
     nf4 = _parity_k3(tiny_bf16_dir, "memory", injection, "nf4")
     print(f"{mode}: k3 bf16 {bf16}, nf4 {nf4}")
+    assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
+
+
+def test_nf4_parity_on_a_larger_random_shape(tmp_path):
+    """The shape the NF4 measurement was first made on (hidden 2048, 8 blocks, bf16 checkpoint): vLLM's
+    in-flight NF4 against the learner's NF4 within 2x of the bf16 pair's k3, measured here."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("bitsandbytes")
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import step_benchmark
+
+    shape = dict(step_benchmark.QWEN3_8B, hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=32768)
+    step_benchmark.DEVICE = "cuda"
+    root = step_benchmark.build_workdir(tmp_path / "shape", shape, 8, 8, 64, seed=0)
+    bf16 = _parity_k3(root, "memory", None, "none", limits=(0.1, 0.01))
+    nf4 = _parity_k3(root, "memory", None, "nf4", limits=(0.1, 0.01))
+    print(f"hidden 2048: k3 bf16 {bf16}, nf4 {nf4}")
     assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
 
 
