@@ -51,7 +51,7 @@ def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, 
             ids = tok(texts[doc])["input_ids"]
             with torch.no_grad():
                 hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]
-            worst = max(worst, float((hs[n - 1] - torch.from_numpy(vec)).abs().max()))
+            worst = max(worst, float((hs[n - 1] - torch.tensor(vec)).abs().max()))
             assert layer == 0 and n - 1 >= 8 and texts[doc].startswith(text)
             assert tok(text)["input_ids"] == ids[:n]  # the text up to and including the position
             rows += 1
