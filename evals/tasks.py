@@ -16,7 +16,6 @@ shape), ``metrics(records)`` aggregates one eval step. A judge failure is never 
 """
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,12 +37,19 @@ class EvalItem:
     context: dict = field(default_factory=dict)  # what the judge is shown besides the explanation
 
 
-class HallucinationEval:
-    id = "hallucination"
-    value_key = "unsupported_claims"
+class JudgedEval:
+    """Fixed items; the judge's question about one, how its reply reads, how a step's records add up."""
+
+    id: str
+    value_key: str  # the record field holding ``judge_value`` of the reply
 
     def __init__(self, items: list[EvalItem]):
         self.items = items
+
+
+class HallucinationEval(JudgedEval):
+    id = "hallucination"
+    value_key = "unsupported_claims"
 
     def judge_prompt(self, item: EvalItem, explanation: str) -> tuple[str, str]:
         return SYSTEM, (
@@ -69,12 +75,9 @@ class HallucinationEval:
                 "judged": len(counts), "no_explanation": sum(1 for r in records if r["explanation"] is None)}
 
 
-class KarvonenConfusionEval:
+class KarvonenConfusionEval(JudgedEval):
     id = "karvonen_confusion"
     value_key = "captures_quirk"
-
-    def __init__(self, items: list[EvalItem]):
-        self.items = items
 
     def judge_prompt(self, item: EvalItem, explanation: str) -> tuple[str, str]:
         quirk, distractor = item.context["quirk"], item.context["distractor"]
@@ -129,16 +132,10 @@ def read_confusion_records(path: str, d_model: int) -> list[dict]:
     p = Path(path)
     if not p.is_file():
         raise NlaInputError(p, "evals.karvonen_confusion.records: file not found")
+    from shared.fileio import iter_jsonl
+
     out = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise NlaInputError(p, f"line {n}: not JSON ({exc.msg})") from None
-        if not isinstance(rec, dict):
-            raise NlaInputError(p, f"line {n}: expected an object, found {type(rec).__name__}")
+    for n, rec in iter_jsonl(p):
         for key in ("quirk", "distractor"):
             if not isinstance(rec.get(key), str) or not rec[key].strip():
                 raise NlaInputError(p, f"line {n}, field '{key}': expected a non-empty string, found {rec.get(key)!r}")

@@ -95,6 +95,11 @@ def adapter_order(adapter: Path, model_dir: Path) -> list[str]:
     return sorted(keys, key=where)
 
 
+def saved_by_8bit(state: dict) -> bool:
+    """An optimiser ``state_dict`` of bitsandbytes' 8-bit AdamW (its quantised moments), not torch's."""
+    return any(NESTED_8BIT in s or "state1" in s for s in state.get("state", {}).values())
+
+
 def _actor_optimizer(state: dict, names: list[str], sizes: dict[str, int], lr: float, path: Path) -> tuple[dict, str, list[str]]:
     """The reference actor optimiser's ``state_dict`` re-keyed for this learner; its class name; notes."""
     notes = []
@@ -102,7 +107,7 @@ def _actor_optimizer(state: dict, names: list[str], sizes: dict[str, int], lr: f
     ids = [i for g in groups for i in g.get("params", [])]
     if len(ids) != len(names):
         raise NlaInputError(path, f"actor_optim_state: {len(ids)} parameters, the policy adapter has {len(names)} LoRA tensors")
-    eightbit = any(NESTED_8BIT in s or "state1" in s for s in state.get("state", {}).values())
+    eightbit = saved_by_8bit(state)
     for pid, name in zip(ids, names):
         entry = state.get("state", {}).get(pid, {})
         moment = entry.get("exp_avg", entry.get(NESTED_8BIT, entry).get("state1"))
@@ -196,7 +201,7 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
     # the reference trainer encodes critic prompts without special tokens: its ARs read them so
     raw["critic"]["add_bos"] = False
     sd = state["actor_optim_state"]
-    eightbit = any(NESTED_8BIT in s or "state1" in s for s in sd.get("state", {}).values())
+    eightbit = saved_by_8bit(sd)
     kind = "adamw8bit" if eightbit else "adamw"
     if cfg.learner.optimizer not in ("auto", kind):
         raise NlaInputError(iter_dir / TRAINING_STATE, f"actor_optim_state: saved by {'8-bit' if eightbit else 'torch'} AdamW, "

@@ -36,22 +36,6 @@ AR_TEMPLATE = "Explanation: {explanation}\nReconstruct the concept."
 STATE = "state.json"
 
 
-def _scale(value: str, d: int) -> float | None:
-    """``--injection-scale`` / ``--mse-scale``: a positive number, ``sqrt_d_model`` or ``raw``."""
-    v = str(value).strip().lower()
-    if v in ("sqrt_d_model", "sqrt_d"):
-        return math.sqrt(d)
-    if v in ("raw", "none"):
-        return None
-    try:
-        x = float(v)
-    except ValueError:
-        x = float("nan")
-    if not (math.isfinite(x) and x > 0):
-        raise ValueError(value)
-    return x
-
-
 def _lock(work: Path):
     """An OS lock on the extraction directory: a second extraction into it is one line."""
     import fcntl
@@ -126,19 +110,12 @@ def iter_corpus(path: Path, text_column: str = "text"):
                 yield i, _doc_id(doc, stem, i), _text(text, path, i, text_column)
                 i += 1
         return
-    with open(path, encoding="utf-8") as f:
-        i = 0
-        for n, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise NlaInputError(path, f"line {n + 1}: not JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or text_column not in rec:
-                raise NlaInputError(path, f"line {n + 1}: no '{text_column}' field")
-            yield i, _doc_id(rec.get("doc_id"), stem, i), _text(rec[text_column], path, i, text_column)
-            i += 1
+    from shared.fileio import iter_jsonl
+
+    for i, (n, rec) in enumerate(iter_jsonl(path)):
+        if text_column not in rec:
+            raise NlaInputError(path, f"line {n}: no '{text_column}' field")
+        yield i, _doc_id(rec.get("doc_id"), stem, i), _text(rec[text_column], path, i, text_column)
 
 
 def _doc_id(doc, stem: str, i: int) -> str:
@@ -169,9 +146,6 @@ class Extractor:
 
         config = AutoConfig.from_pretrained(model_dir)
         text = getattr(config, "text_config", None) or config
-        blocks = text.num_hidden_layers
-        if not 0 <= layer < blocks:
-            raise NlaInputError("--layer", f"expected 0..{blocks - 1} ({model_dir} has {blocks} decoder blocks), found {layer}")
         text.num_hidden_layers = layer + 1  # nothing after block `layer` is computed
         from transformers.utils import logging as hf_logging
 
@@ -378,6 +352,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     import torch
 
     from shared.check import load_tokenizer, model_config_field
+    from shared.schema import resolve_scale
 
     corpus, model_dir, out = Path(corpus), Path(model_dir), Path(out_dir)
     shares = parse_splits(splits)
@@ -401,8 +376,8 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     for name, value in (("--injection-scale", injection_scale), ("--mse-scale", mse_scale)):
         try:
-            _scale(value, d)
-        except ValueError:
+            resolve_scale(value, d)
+        except (TypeError, ValueError):
             raise NlaInputError(name, f"expected a positive number, 'sqrt_d_model' or 'raw', found {value!r}") from None
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     args = {"corpus": str(corpus.resolve()), "model": str(model_dir.resolve()), "layer": layer, "positions_per_doc": positions_per_doc,
@@ -457,7 +432,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     import pyarrow.parquet as pq
     import yaml
 
-    from shared.schema import fve_baselines
+    from shared.schema import fve_baselines, resolve_scale
 
     marks = sorted(int(m.name.split("-")[1]) for m in (work / "done").glob("chunk-*"))
     for name in shares:
@@ -486,7 +461,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
             continue
         tmp.replace(target)
         golds = torch.from_numpy(np.concatenate(sample)[:4000])
-        meannorm, rawvar = fve_baselines(golds, _scale(mse_scale, d)) if len(golds) > 1 else (math.nan, math.nan)
+        meannorm, rawvar = fve_baselines(golds, resolve_scale(mse_scale, d)) if len(golds) > 1 else (math.nan, math.nan)
         meta = {
             "kind": "nla_dataset", "schema_version": 1, "dataset_id": f"{name}_{corpus.stem}_L{layer}_seed{seed}",
             "stage": name, "row_count": count,

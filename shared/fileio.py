@@ -68,6 +68,23 @@ def write_json(path: str | Path, obj, indent: int = 2) -> None:
     write_text(path, json.dumps(jsonable(obj), indent=indent, sort_keys=True) + "\n")
 
 
+def iter_jsonl(path: str | Path):
+    """``(line number, object)`` of each non-blank line of a JSONL file; a line that is not a JSON object
+    is one line naming the file and the line."""
+    path = Path(path)
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise NlaInputError(path, f"line {n}: not JSON ({exc.msg})") from None
+            if not isinstance(rec, dict):
+                raise NlaInputError(path, f"line {n}: expected an object, found {type(rec).__name__}")
+            yield n, rec
+
+
 def read_json_object(path: str | Path, missing: str = "file not found") -> dict:
     """A JSON object from ``path``, or a one-line error naming the file."""
     path = Path(path)
