@@ -3,14 +3,15 @@
 A Qwen3-32B-shape checkpoint is 65 GB in bf16, more than the one-GPU machine's disk; in NF4 it is
 about 18 GB. Each decoder linear weight is drawn (normal, std ``initializer_range``), quantised with
 ``bitsandbytes.functional.quantize_4bit`` as transformers' ``Linear4bit`` does (NF4, blocksize 64,
-double quantisation, bf16 storage) and written with its quant state under the names transformers'
-4-bit serialisation uses (``weight`` + ``weight.absmax``, ``weight.quant_map``, ``weight.nested_*``,
-``weight.quant_state.bitsandbytes__nf4``); norms, embeddings and the LM head stay bf16. config.json
+double quantisation, packed in uint8: the one storage vLLM reads pre-quantised) and written with its
+quant state under the names transformers' 4-bit serialisation uses (``weight`` + ``weight.absmax``,
+``weight.quant_map``, ``weight.nested_*``, ``weight.quant_state.bitsandbytes__nf4``); norms, embeddings and the LM head stay bf16. config.json
 carries the ``quantization_config`` that tells transformers and vLLM the checkpoint is pre-quantised.
 
 ``quantized_state(named_weights)`` is the quantising step alone: given a bf16 model's weights it gives
-what ``save_pretrained`` of that model loaded in NF4 writes (compared byte for byte where bitsandbytes
-runs; ``tests/test_gpu.py``).
+what ``save_pretrained`` of that model loaded in NF4 writes (the same bytes, compared where bitsandbytes
+runs; ``tests/test_gpu.py``). The packed storage dtype only changes how those bytes are viewed: the
+learner's own NF4 (``shared.quantization``) keeps them as bf16, and dequantises them identically.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QUANTIZATION_CONFIG = {"quant_method": "bitsandbytes", "load_in_4bit": True, "load_in_8bit": False,
                        "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                       "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "bfloat16",
+                       "bnb_4bit_compute_dtype": "bfloat16", "bnb_4bit_quant_storage": "uint8",
                        "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0, "llm_int8_has_fp16_weight": False,
                        "llm_int8_enable_fp32_cpu_offload": False}
 
@@ -42,7 +43,7 @@ def quantized_state(named_weights, device: str = "cuda") -> dict:
             out[name] = w.to(torch.bfloat16).cpu().contiguous()
             continue
         packed, state = quantize_4bit(w.to(device=device, dtype=torch.bfloat16).contiguous(), blocksize=64,
-                                      compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+                                      compress_statistics=True, quant_type="nf4", quant_storage=torch.uint8)
         out[name] = packed.cpu()
         for key, value in state.as_dict(packed=True).items():
             out[f"{name}.{key}"] = value.cpu()

@@ -55,10 +55,10 @@ def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torc
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = {"": device}
     if quantization != "none":
-        from shared.quantization import hf_quantization, require_gpu
+        from shared.quantization import hf_quantization_kwargs, require_gpu
 
         require_gpu(quantization, device)
-        kwargs["quantization_config"] = hf_quantization(quantization, dtype)
+        kwargs.update(hf_quantization_kwargs(quantization, dtype, model_path))
     # the later blocks show up as "unexpected" keys by design; the load report would only be noise
     log = transformers.utils.logging
     verbosity, bar = log.get_verbosity(), log.is_progress_bar_enabled()

@@ -107,10 +107,10 @@ def load_base_model(cfg, device):
         kwargs["attn_implementation"] = "eager"
     quantized = cfg.model.quantization != "none"
     if quantized:
-        from shared.quantization import hf_quantization, require_gpu
+        from shared.quantization import hf_quantization_kwargs, require_gpu
 
         require_gpu(cfg.model.quantization, device)
-        kwargs["quantization_config"] = hf_quantization(cfg.model.quantization, dtype)
+        kwargs.update(hf_quantization_kwargs(cfg.model.quantization, dtype, cfg.model.path))
         kwargs["device_map"] = {"": torch.device(device)}
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     model.config.use_cache = False

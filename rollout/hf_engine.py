@@ -38,12 +38,12 @@ class HfEngine(RolloutEngine):
         if cfg.model.quantization == "none":
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         else:  # the learner's NF4 base (shared.quantization), where device_map puts it
-            from shared.quantization import hf_quantization, require_gpu
+            from shared.quantization import hf_quantization_kwargs, require_gpu
 
             require_gpu(cfg.model.quantization, device)
             self.model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, quantization_config=hf_quantization(cfg.model.quantization, dtype),
-                device_map={"": self.device}).eval()
+                path, dtype=dtype, device_map={"": self.device},
+                **hf_quantization_kwargs(cfg.model.quantization, dtype, path)).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
         self.stop_ids = stop_token_ids(path, self.tokenizer, cfg.rollout.extra_stop_tokens)

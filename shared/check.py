@@ -156,12 +156,14 @@ def check_quantization_source(model_dir, dtype: str) -> None:
     (an F32 checkpoint, bf16 compute) a few percent of the weights fall in the neighbouring NF4 bin and
     the rollout samples another base (measured on the tiny model on an H200: k3 1.1e-2 against 2e-4 for
     the bf16 pair; from a bf16 checkpoint the NF4 pair sits at the bf16 floor). Read from the safetensors
-    headers only; a checkpoint already saved quantised is left to the loaders."""
+    headers only; a checkpoint already saved quantised must be one vLLM and the learner read alike
+    (``shared.quantization.prequantized``)."""
     from safetensors import safe_open
 
+    from shared.quantization import prequantized
+
     d = Path(model_dir)
-    raw = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
-    if raw.get("quantization_config"):
+    if prequantized(d, vllm=True) is not None:
         return
     want = _SAFETENSORS_DTYPE[dtype]
     for path in sorted(d.glob("*.safetensors")):

@@ -7,10 +7,22 @@ vLLM quantises the same checkpoint in flight with ``vllm_options`` (measured on 
 in-flight NF4 against the learner's NF4 double-quant base is at the bf16 pair's logprob noise floor,
 mean |Δlogp| 0.047, k3 0.0018). Nothing here imports bitsandbytes until a quantised model is built,
 so the CPU path neither needs nor loads it.
+
+A checkpoint saved already quantised (``quantization_config`` in its config.json) is loaded as saved by
+every service; ``prequantized`` reads that section and refuses, in one line, one that is not this NF4
+(another quant type, no double quantisation) or that vLLM cannot read (vLLM 0.26 accepts only uint8
+packed storage for pre-quantised bitsandbytes checkpoints; transformers reads either).
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 QUANTIZATIONS = ("none", "nf4")
+# what a pre-quantised checkpoint must say to be the NF4 every service here uses (values as config.json writes them)
+PREQUANTIZED_NF4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                    "bnb_4bit_use_double_quant": True}
+VLLM_QUANT_STORAGE = ("uint8",)
 
 
 def require_gpu(quantization: str, device) -> None:
@@ -20,8 +32,42 @@ def require_gpu(quantization: str, device) -> None:
         raise ValueError(f"model.quantization {quantization}: bitsandbytes NF4 needs a CUDA device, found {device!r}")
 
 
+def prequantized(model_dir, vllm: bool = False) -> dict | None:
+    """The ``quantization_config`` of a checkpoint saved already quantised, or None; one that is not
+    NF4 with double quantisation (or, with ``vllm``, not in a packed storage vLLM reads) is refused."""
+    from shared.errors import NlaInputError
+
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        qc = json.loads(path.read_text()).get("quantization_config")
+    except (ValueError, AttributeError):
+        return None  # config.json itself is checked where the model is first read
+    if not qc:
+        return None
+    for key, want in PREQUANTIZED_NF4.items():
+        if qc.get(key) != want:
+            raise NlaInputError(path, f"quantization_config.{key}: expected {want!r} (a checkpoint saved quantised must "
+                                      f"be the NF4 with double quantisation that model.quantization nf4 means), found {qc.get(key)!r}")
+    storage = qc.get("bnb_4bit_quant_storage", "uint8")
+    if vllm and storage not in VLLM_QUANT_STORAGE:
+        raise NlaInputError(path, f"quantization_config.bnb_4bit_quant_storage: expected one of {list(VLLM_QUANT_STORAGE)} "
+                                  f"(vLLM reads no other packed storage), found {storage!r}")
+    return qc
+
+
+def hf_quantization_kwargs(quantization: str, dtype, model_dir) -> dict:
+    """The ``from_pretrained`` keyword for the base at ``model_dir``: none for an unquantised base and for a
+    checkpoint saved already quantised. The key must then be absent, not None: transformers reads an
+    explicit ``quantization_config=None`` as "load unquantised", and the packed weights no longer fit."""
+    if quantization == "none" or prequantized(model_dir) is not None:
+        return {}
+    return {"quantization_config": hf_quantization(quantization, dtype)}
+
+
 def hf_quantization(quantization: str, dtype):
-    """``from_pretrained(quantization_config=...)`` for transformers, or None for an unquantised base."""
+    """``from_pretrained(quantization_config=...)`` for transformers to quantise a bf16 checkpoint, or None."""
     if quantization == "none":
         return None
     from transformers import BitsAndBytesConfig

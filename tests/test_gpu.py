@@ -216,7 +216,7 @@ def test_an_imported_4bit_ar_predicts_what_a_reference_style_nf4_critic_predicts
 
 def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_dir, tmp_path):
     """benchmarks/nf4_checkpoint.py (how the 32B-shape benchmark fits the disk): the tensors it writes are
-    those transformers' own NF4 save holds, byte for byte; transformers and vLLM load the directory."""
+    those transformers' own NF4 save holds, byte for byte; transformers, the learner and vLLM load the directory."""
     pytest.importorskip("bitsandbytes")
     vllm = pytest.importorskip("vllm")
     import sys
@@ -237,7 +237,8 @@ def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_
     bf16 = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).state_dict()
     mine = quantized_state([(k, v) for k, v in bf16.items() if k in ref or k + ".absmax" in ref], "cuda")
     assert mine.keys() == ref.keys()
-    assert all(torch.equal(mine[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in ref)
+    # the same bytes (ours packed in uint8, the one storage vLLM reads; the learner's NF4 packs in bf16)
+    assert all(torch.equal(mine[k].view(torch.uint8).flatten(), ref[k].view(torch.uint8).flatten()) for k in ref)
     out = tmp_path / "mine"
     out.mkdir()
     save_file(mine, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -249,6 +250,22 @@ def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_
     x = torch.tensor([[5, 17, 33, 2, 9, 100]], device="cuda")
     loaded = AutoModelForCausalLM.from_pretrained(out, device_map={"": "cuda"})
     assert torch.equal(loaded(x).logits, theirs(x).logits)
+    # the learner's and the critic's own loaders read it as saved (an explicit quantization_config=None would
+    # not) and get the base they get by quantising the bf16 checkpoint on load
+    from critic.model import load_truncated_backbone
+    from learner.policy import load_base_model
+
+    def learner_logits(path):
+        cfg = build_config({"model": {"path": str(path), "dtype": "bfloat16", "quantization": "nf4"}, "placement": {"mode": "colocated"}}, "gpu-test")
+        with torch.no_grad():
+            return load_base_model(cfg, "cuda")(x).logits
+
+    def critic_state(path):
+        with torch.no_grad():
+            return load_truncated_backbone(path, 1, torch.bfloat16, "cuda", quantization="nf4")(input_ids=x).last_hidden_state
+
+    assert torch.equal(learner_logits(out), learner_logits(src))
+    assert torch.equal(critic_state(out), critic_state(src))
     llm = vllm.LLM(model=str(out), quantization="bitsandbytes", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=256)
     got = llm.generate([{"prompt_token_ids": [5, 17, 33]}], vllm.SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(got[0].outputs[0].token_ids) == 4

@@ -176,6 +176,7 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
     from orchestrator.job import prepare_job
     from shared.check import check_quantization_source
     from shared.config import build_config
+    from shared.quantization import hf_quantization_kwargs, prequantized
 
     needle = r"model.quantization nf4: the checkpoint stores its linear weights as F32 \(.*proj.weight\) and model.dtype is bfloat16"
     with pytest.raises(NlaInputError, match=needle):
@@ -194,5 +195,26 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
     with pytest.raises(NlaInputError, match="as BF16"):
         check_quantization_source(bf16, "float16")
     config = json.loads((bf16 / "config.json").read_text())
-    (bf16 / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+
+    def saved_quantised(**changes):
+        qc = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+              "bnb_4bit_use_double_quant": True, "bnb_4bit_quant_storage": "uint8", **changes}
+        (bf16 / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+
+    assert hf_quantization_kwargs("none", torch.bfloat16, bf16) == {}
+    nf4 = hf_quantization_kwargs("nf4", torch.bfloat16, bf16)["quantization_config"]  # a bf16 checkpoint: quantised on load
+    assert (nf4.bnb_4bit_quant_type, nf4.bnb_4bit_use_double_quant, nf4.bnb_4bit_compute_dtype) == ("nf4", True, torch.bfloat16)
+    saved_quantised()  # the stored dtype is the loaders' business then, and they follow the checkpoint
     check_quantization_source(bf16, "float16")
+    # no quantization_config key at all (None would mean "load unquantised"): transformers follows the checkpoint
+    assert hf_quantization_kwargs("nf4", torch.bfloat16, bf16) == {}
+    for changes, needle in (({"bnb_4bit_quant_storage": "bfloat16"}, r"bnb_4bit_quant_storage: expected one of \['uint8'\] .*found 'bfloat16'"),
+                            ({"bnb_4bit_quant_type": "fp4"}, "bnb_4bit_quant_type: expected 'nf4'.*found 'fp4'"),
+                            ({"bnb_4bit_use_double_quant": False}, "bnb_4bit_use_double_quant: expected True.*found False"),
+                            ({"load_in_4bit": False, "load_in_8bit": True}, "load_in_4bit: expected True")):
+        saved_quantised(**changes)
+        with pytest.raises(NlaInputError, match=needle) as err:
+            check_quantization_source(bf16, "bfloat16")
+        assert str(err.value).startswith(str(bf16 / "config.json"))
+    saved_quantised(bnb_4bit_quant_storage="bfloat16")  # transformers reads that storage: only vLLM refuses it
+    assert prequantized(bf16)["bnb_4bit_quant_storage"] == "bfloat16"
