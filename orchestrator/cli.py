@@ -232,12 +232,9 @@ def _run_services(job, run, resume_from) -> int:
         try:
             services = start_services(cfg, job.spec)
         except BaseException as exc:
-            from orchestrator.driver import StepError, StepInterrupted
-            from shared.errors import one_line
+            from orchestrator.driver import startup_error
 
-            if isinstance(exc, KeyboardInterrupt):
-                raise StepInterrupted(f"starting the services: interrupted ({exc.args[0] if exc.args else 'SIGINT'})") from None
-            raise StepError(f"starting the services: {one_line(exc)}") from None
+            raise startup_error(exc) from None
         last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
     except BaseException:
         if resume_from is None and not run.read_metrics() and not run.list_checkpoints():

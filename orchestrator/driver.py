@@ -35,6 +35,20 @@ class StepInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM during the run, with the step and phase it stopped in."""
 
 
+def startup_error(exc: BaseException) -> BaseException:
+    """A failure while the services start, as one line: a dead actor by its class and its constructor's
+    cause (``shared.actors`` carries it), anything else by its innermost cause."""
+    import ray.exceptions
+
+    from shared.errors import actor_class, actor_death, one_line
+
+    if isinstance(exc, KeyboardInterrupt):
+        return StepInterrupted(f"starting the services: interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return StepError(f"starting the services: {actor_class(exc) or 'a service actor'} died: {actor_death(exc)}")
+    return StepError(f"starting the services: {one_line(exc)}")
+
+
 def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseException:
     """Any failure of a step (or of the start before it) as one line: the step, the phase, which service
     for a dead actor, and the innermost cause's own text."""

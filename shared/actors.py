@@ -3,7 +3,9 @@ remote where they are placed, so importing a service module never imports Ray.
 
 An exception raised inside an actor crosses Ray pickled, and pickling keeps an exception's own
 message but drops its chain (``__cause__``): a "No space left on device" under a wrapper would be
-lost. So each public method of an actor made here re-raises the innermost cause itself.
+lost, and an exception that cannot be pickled at all arrives as Ray's "isn't serializable". So the
+constructor and each public method of an actor made here raise ``shared.errors.crossing`` of what
+they raised: the innermost cause, or its line.
 """
 from __future__ import annotations
 
@@ -12,18 +14,22 @@ import functools
 _REMOTE: dict[type, object] = {}
 
 
-def _raising_the_cause(method):
+def _raising_the_cause(method, constructor: bool = False):
+    """``constructor``: Ray keeps only the text of a failed constructor's error, whose last line the
+    user sees, so it always raises the cause's one line (a multi-line message would show its end)."""
     @functools.wraps(method)
     def call(*args, **kwargs):
         try:
             return method(*args, **kwargs)
         except Exception as exc:
-            from shared.errors import innermost
+            from shared.errors import NlaInputError, ServiceError, crossing, describe, innermost
 
-            inner = innermost(exc)
-            if inner is exc or not isinstance(inner, Exception):
+            carried = crossing(exc)
+            if constructor and not isinstance(carried, (NlaInputError, ServiceError)):
+                carried = ServiceError(describe(innermost(exc)))
+            if carried is exc:
                 raise
-            raise inner from None
+            raise carried from None
 
     return call
 
@@ -39,6 +45,8 @@ def remote(body: type):
             for name, fn in vars(base).items():
                 if callable(fn) and not name.startswith("_") and name not in methods and name not in vars(body):
                     methods[name] = _raising_the_cause(fn)
+        if body.__init__ is not object.__init__:  # a failed start reaches the user by its cause too
+            methods["__init__"] = _raising_the_cause(body.__init__, constructor=True)
         _REMOTE[body] = ray.remote(type(body.__name__, (body,), {**methods, "__module__": body.__module__,
                                                                   "__qualname__": body.__qualname__}))
     return _REMOTE[body]

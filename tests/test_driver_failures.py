@@ -217,3 +217,92 @@ def test_input_errors_and_causes_cross_ray(ray_local):
     with pytest.raises(NlaInputError) as got:  # Ray re-raises it as its own type
         ray_local.get(bad_input.remote())
     assert one_line(got.value) == "c.yaml: learner.lr: expected a number"
+
+
+class _Unpicklable(Exception):
+    """Like vLLM's config errors: a multi-line message, and state that does not pickle."""
+
+    def __init__(self, detail):
+        super().__init__(f"1 validation error for Config\n  Value error, {detail}\n  see the docs")
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def _wrapped(detail):
+    try:
+        raise _Unpicklable(detail)
+    except _Unpicklable as exc:
+        raise RuntimeError("engine start failed") from exc
+
+
+class _FailsToStart:
+    def __init__(self, kind):
+        if kind == "unpicklable":
+            _wrapped("Unsupported storage: bfloat16")
+        if kind == "pydantic":
+            from pydantic import BaseModel, field_validator
+
+            class EngineConfig(BaseModel):
+                max_tokens: int
+
+                @field_validator("max_tokens")
+                @classmethod
+                def big_enough(cls, v):
+                    raise ValueError(f"max_tokens ({v}) is smaller than max_model_len (512)")
+
+            EngineConfig(max_tokens=1)
+        from shared.errors import NlaInputError
+
+        raise NlaInputError("rollout.engine_options", "expected a dict")
+
+    def ping(self):
+        return 1
+
+
+class _FailsInAMethod:
+    def boom(self):
+        _wrapped("No space left on device")
+
+
+def test_a_cause_that_cannot_be_pickled_still_crosses_ray_as_its_line(ray_local):
+    """Ray replaces an exception it cannot pickle by one naming only its type, and keeps only the text of a
+    failed constructor: the actor made by ``shared.actors.remote`` sends the innermost cause's own line."""
+    from orchestrator.driver import startup_error
+    from shared.actors import remote
+    from shared.errors import ServiceError, crossing, one_line
+
+    assert isinstance(crossing(RuntimeError("x")), RuntimeError)  # what pickles crosses as itself
+    with pytest.raises(RuntimeError) as got:
+        _wrapped("d")
+    carried = crossing(got.value)
+    assert isinstance(carried, ServiceError) and str(carried) == "_Unpicklable: 1 validation error for Config"
+
+    with pytest.raises(Exception) as got:
+        ray_local.get(remote(_FailsInAMethod).remote().boom.remote())
+    assert one_line(got.value) == "_Unpicklable: 1 validation error for Config"  # not "isn't serializable"
+
+    for kind, line in (("unpicklable", "_Unpicklable: 1 validation error for Config"),
+                       ("pydantic", "ValidationError: EngineConfig: Value error, max_tokens (1) is smaller than max_model_len (512)"),
+                       ("input", "rollout.engine_options: expected a dict")):
+        actor = remote(_FailsToStart).remote(kind)
+        with pytest.raises(Exception) as got:
+            ray_local.get(actor.ping.remote())
+        assert str(startup_error(got.value)) == f"starting the services: _FailsToStart died: it failed to start: {line}"
+
+
+def test_one_line_reads_a_validation_error_past_its_header():
+    from pydantic import BaseModel, Field, ValidationError
+
+    from shared.errors import describe, one_line
+
+    class C(BaseModel):
+        lr: float = Field(gt=0)
+
+    with pytest.raises(ValidationError) as got:
+        C(lr=-1)
+    assert describe(got.value) == "ValidationError: C: Input should be greater than 0"
+    try:
+        raise RuntimeError("wrapper") from got.value
+    except RuntimeError as exc:
+        assert one_line(exc) == "ValidationError: C: Input should be greater than 0"
