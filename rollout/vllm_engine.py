@@ -122,6 +122,10 @@ class VllmEngine(RolloutEngine):
         # functions travel to separate engine cores
         prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1, ship_callables=in_worker)
         import vllm
+
+        from rollout.vllm_compat import skip_router_gemm_warmup
+
+        skip_router_gemm_warmup()  # for an engine core in this process; the plugin does it in vLLM's own
         from transformers import AutoTokenizer
 
         from rollout.embeddings import embedding_multiplier, load_embed_tokens

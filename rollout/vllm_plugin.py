@@ -10,7 +10,11 @@ from __future__ import annotations
 
 def register() -> None:
     """Never raises: vLLM does not catch a plugin's error, so one here would stop every engine in this
-    environment, other projects' too. Without the classes a karvonen engine says so in one line."""
+    environment, other projects' too. Without the classes a karvonen engine says so in one line.
+    It also applies ``rollout.vllm_compat.skip_router_gemm_warmup`` in each of vLLM's processes."""
+    from rollout.vllm_compat import skip_router_gemm_warmup
+
+    skip_router_gemm_warmup()
     try:
         from vllm import ModelRegistry
 

@@ -68,3 +68,22 @@ def test_engine_environment_respects_what_is_set(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a user's choice stands
     prepare_engine_env(cpu=True, in_process=True)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_the_router_gemm_warmup_is_skipped_only_where_it_ignores_the_model():
+    """vLLM 0.26's warm-up takes no argument and compiles MoE router kernels for any model: replaced by a
+    no-op. Where it takes the model (later vLLM, the CPU build here) it already skips dense models: kept."""
+    import types
+
+    from rollout.vllm_compat import skip_router_gemm_warmup
+    from vllm.model_executor.warmup import kernel_warmup
+
+    installed = kernel_warmup._warmup_ll_bf16_router_gemm
+    assert not skip_router_gemm_warmup() and kernel_warmup._warmup_ll_bf16_router_gemm is installed
+
+    calls = []
+    old = types.SimpleNamespace(_warmup_ll_bf16_router_gemm=lambda: calls.append("compiled"))
+    assert skip_router_gemm_warmup(old)
+    old._warmup_ll_bf16_router_gemm()
+    assert calls == [] and not skip_router_gemm_warmup(old)  # once is enough
+    assert not skip_router_gemm_warmup(types.SimpleNamespace())  # gone in some version: nothing to do
