@@ -230,7 +230,11 @@ def _run_services(job, run, resume_from) -> int:
     services = None
     try:
         try:
+            import time
+
+            asked = time.time()
             services = start_services(cfg, job.spec)
+            services.asked_at = asked
         except BaseException as exc:
             from orchestrator.driver import startup_error
 

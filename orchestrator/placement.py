@@ -116,6 +116,7 @@ class Services:
     critic: object  # orchestrator.groups.CriticGroup
     placement_groups: list
     device: str
+    asked_at: float | None = None  # time.time() when the services were asked for (the start-up line's origin)
 
     def name_of(self, actor_id) -> str | None:
         """Which service an actor id (``RayActorError.actor_id``, hex) is, e.g. "rollout engine 1 of 2"."""

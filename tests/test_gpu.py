@@ -286,11 +286,16 @@ def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
             "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
     for s in (*GPU_OVERRIDES, *sets):
         args += ["--set", s]
+    import time
+
+    t = time.perf_counter()
     res = run_cli(*args, timeout=timeout)
+    res.wall_s = time.perf_counter() - t
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     med = {k: float(np.median([r[k] for r in rows[1:]])) for k in rows[0] if k.startswith("time/")}
-    print(f"{run_dir.name}: {len(rows)} steps, median phase times {med}")
+    print(f"{run_dir.name}: {len(rows)} steps, median phase times {med}; job wall {res.wall_s:.1f} s")
+    print("\n".join(l for l in res.stdout.splitlines() if l.startswith(("[push]", "[done]"))))  # start-up time
     return rows
 
 
