@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def _add_overrides(parser, help: str) -> None:
@@ -133,7 +134,6 @@ def _config_check(args) -> int:
 
 
 def _train(args) -> int:
-    import time
     from pathlib import Path
 
     from shared.config import load_config
@@ -230,8 +230,6 @@ def _run_services(job, run, resume_from) -> int:
     services = None
     try:
         try:
-            import time
-
             asked = time.time()
             services = start_services(cfg, job.spec)
             services.asked_at = asked

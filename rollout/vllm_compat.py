@@ -187,9 +187,9 @@ def _no_router_gemm_warmup() -> None:
 
 def skip_router_gemm_warmup(module=None) -> bool:
     """vLLM 0.26 warms its low-latency bf16 MoE router GEMM on every Hopper GPU, whatever the model, for
-    four fixed router shapes (DeepSeek-V3/V4, Inkling): on an H200 each fresh engine process spent 17 s
-    on it ("Warming up ll_bf16 router GEMM kernels", then 17 s to the next line) before serving a dense
-    model that never calls that kernel. Later vLLM (0.32) warms only the shapes of the model's own bf16
+    four fixed router shapes (DeepSeek-V3/V4, Inkling): on an H200 the first engine of each process spent
+    13-17 s on it ("Warming up ll_bf16 router GEMM kernels", then that long to the next line) before
+    serving a dense model that never calls that kernel. Later vLLM (0.32) warms only the shapes of the model's own bf16
     router gates, none in a dense model; this makes 0.26 skip it likewise. A MoE model would pay that
     kernel's compilation at its first call instead. Runs in every vLLM process (the plugin calls it) and
     in the actor before an in-process engine; returns whether it replaced the warm-up (False where the

@@ -24,9 +24,11 @@ def _raising_the_cause(method, constructor: bool = False):
         except Exception as exc:
             from shared.errors import NlaInputError, ServiceError, crossing, describe, innermost
 
-            carried = crossing(exc)
-            if constructor and not isinstance(carried, (NlaInputError, ServiceError)):
-                carried = ServiceError(describe(innermost(exc)))
+            if constructor:
+                inner = innermost(exc)
+                carried = inner if isinstance(inner, NlaInputError) else ServiceError(describe(inner))
+            else:
+                carried = crossing(exc)
             if carried is exc:
                 raise
             raise carried from None

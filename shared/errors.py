@@ -34,13 +34,7 @@ class NlaInputError(Exception):
 
 class ServiceError(Exception):
     """A failure inside a service carried across Ray as its cause's one line (``Type: text``), for a cause
-    that does not survive pickling."""
-
-    def __init__(self, line: str):
-        super().__init__(line)
-
-    def __reduce__(self):
-        return type(self), (str(self),)
+    that does not survive pickling (its one argument, the line, pickles)."""
 
 
 def innermost(exc: BaseException) -> BaseException:
