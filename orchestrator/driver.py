@@ -247,9 +247,9 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         version = push()
     except BaseException as exc:
         raise _step_error(exc, start, phase, services) from None
-    asked = getattr(services, "asked_at", None)  # every actor has started once the first push is through
+    asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)"
-        + (f"; services up {time.time() - asked:.1f} s after they were asked for" if asked else ""))
+        + (f"; engines and learner up {time.time() - asked:.1f} s after the services were asked for" if asked else ""))
     t_run = time.time()
     last: dict = {}
     step, phase = start, "start"

@@ -158,6 +158,11 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 2} ({model_dir} has {blocks} "
                             f"decoder blocks, and after the last one no attention layer is left to carry the vector to "
                             f"the response), found {cfg.injection.karvonen_layer}")
+    from shared.quantization import prequantized
+
+    if prequantized(model_dir, vllm=cfg.rollout.backend == "vllm") is not None and cfg.model.quantization == "none":
+        raise NlaInputError("config", f"model.quantization: expected nf4 ({model_dir} is saved quantised in NF4, and "
+                                      f"every service would load it so), found none")
     if cfg.model.quantization == "nf4" and cfg.rollout.backend == "vllm":
         from shared.check import check_quantization_source
 

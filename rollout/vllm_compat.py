@@ -19,6 +19,10 @@ from __future__ import annotations
 import inspect
 import os
 
+# set by ``prepare_engine_env`` for the engines this project starts (their processes inherit it): only
+# there does the plugin skip vLLM 0.26's router warm-up, never in another program sharing the environment
+SKIP_ROUTER_WARMUP = "NLA_GRPO_SKIP_ROUTER_WARMUP"
+
 # vLLM's accepted max_lora_rank values (vllm/config/lora.py: MaxLoRARanks; its LoRA config refuses others)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -33,6 +37,7 @@ def prepare_engine_env(cpu: bool, in_process: bool = False, ship_callables: bool
     On the CPU the in-process engine starts in ~2.5 s instead of ~16 s but must not pin OpenMP threads
     (generation is ~30x slower otherwise); the host IP on loopback keeps vLLM off the network.
     """
+    os.environ.setdefault(SKIP_ROUTER_WARMUP, "1")  # read by the plugin in vLLM's own processes
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -191,9 +196,10 @@ def skip_router_gemm_warmup(module=None) -> bool:
     13-17 s on it ("Warming up ll_bf16 router GEMM kernels", then that long to the next line) before
     serving a dense model that never calls that kernel. Later vLLM (0.32) warms only the shapes of the model's own bf16
     router gates, none in a dense model; this makes 0.26 skip it likewise. A MoE model would pay that
-    kernel's compilation at its first call instead. Runs in every vLLM process (the plugin calls it) and
-    in the actor before an in-process engine; returns whether it replaced the warm-up (False where the
-    function takes the model, as in later vLLM, or is gone)."""
+    kernel's compilation at its first call instead. Runs in the actor before an in-process engine, and
+    through the plugin in the processes of the engines this project starts (``SKIP_ROUTER_WARMUP``);
+    returns whether it replaced the warm-up (False where the function takes the model, as in later vLLM,
+    or is gone)."""
     try:
         if module is None:
             from vllm.model_executor.warmup import kernel_warmup as module

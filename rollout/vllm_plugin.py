@@ -11,10 +11,14 @@ from __future__ import annotations
 def register() -> None:
     """Never raises: vLLM does not catch a plugin's error, so one here would stop every engine in this
     environment, other projects' too. Without the classes a karvonen engine says so in one line.
-    It also applies ``rollout.vllm_compat.skip_router_gemm_warmup`` in each of vLLM's processes."""
-    from rollout.vllm_compat import skip_router_gemm_warmup
+    In the processes of engines this project started it also applies
+    ``rollout.vllm_compat.skip_router_gemm_warmup``; other programs' vLLM stays as it is."""
+    import os
 
-    skip_router_gemm_warmup()
+    from rollout import vllm_compat  # standard library only: importing it cannot fail where this module loads
+
+    if os.environ.get(vllm_compat.SKIP_ROUTER_WARMUP) == "1":
+        vllm_compat.skip_router_gemm_warmup()  # never raises either
     try:
         from vllm import ModelRegistry
 

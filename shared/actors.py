@@ -3,9 +3,9 @@ remote where they are placed, so importing a service module never imports Ray.
 
 An exception raised inside an actor crosses Ray pickled, and pickling keeps an exception's own
 message but drops its chain (``__cause__``): a "No space left on device" under a wrapper would be
-lost, and an exception that cannot be pickled at all arrives as Ray's "isn't serializable". So the
-constructor and each public method of an actor made here raise ``shared.errors.crossing`` of what
-they raised: the innermost cause, or its line.
+lost, and an exception that cannot be pickled at all arrives as Ray's "isn't serializable". So each
+public method of an actor made here raises ``shared.errors.crossing`` of what it raised (the innermost
+cause, or its line), and the constructor raises its input error or the cause's one line.
 """
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ def _raising_the_cause(method, constructor: bool = False):
 
             if constructor:
                 inner = innermost(exc)
-                carried = inner if isinstance(inner, NlaInputError) else ServiceError(describe(inner))
+                carried = inner if isinstance(inner, (NlaInputError, ServiceError)) else ServiceError(describe(inner))
             else:
                 carried = crossing(exc)
             if carried is exc:
                 raise
-            raise carried from None
+            # pickling drops __cause__, so the carried error crosses alone; the chain stays in the actor's
+            # own report (its log, and the text Ray keeps of a failed constructor), ending with its line
+            raise carried from exc
 
     return call
 

@@ -38,13 +38,18 @@ class ServiceError(Exception):
 
 
 def innermost(exc: BaseException) -> BaseException:
-    """The exception at the bottom of ``exc``: through Ray's task errors (``.cause``) and chained causes."""
+    """The exception at the bottom of ``exc``'s causes: through Ray's task errors (``.cause``) and explicit
+    chains (``raise ... from``). An implicit context (an error raised while another was being handled, as
+    in ``except KeyError: raise ValueError("helpful")``) is not a cause: the newer error is what its code
+    chose to report. It stops at an input error or a carried line, which are already the user's line."""
     seen = set()
     while id(exc) not in seen:
         seen.add(id(exc))
         nxt = getattr(exc, "cause", None)
         if not isinstance(nxt, BaseException):
-            nxt = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+            if isinstance(exc, (NlaInputError, ServiceError)):
+                break
+            nxt = exc.__cause__
         if nxt is None:
             break
         exc = nxt

@@ -306,3 +306,25 @@ def test_one_line_reads_a_validation_error_past_its_header():
         raise RuntimeError("wrapper") from got.value
     except RuntimeError as exc:
         assert one_line(exc) == "ValidationError: C: Input should be greater than 0"
+
+
+def test_one_line_follows_causes_not_the_error_being_handled():
+    """``raise X from Y``: Y is the cause. An error raised while another was handled (no ``from``) is the
+    one its code chose to report. An input error is the user's line even when it names a cause."""
+    from shared.errors import NlaInputError, one_line
+
+    def chained(outer, inner, explicit):
+        try:
+            try:
+                raise inner
+            except Exception as exc:
+                if explicit:
+                    raise outer from exc
+                raise outer
+        except Exception as exc:
+            return one_line(exc)
+
+    assert chained(RuntimeError("writing"), OSError(28, "No space left on device"), True) == "OSError: [Errno 28] No space left on device"
+    assert chained(ValueError("max_model_len 512 exceeds the model's 256"), KeyError("max_model_len"), False) == \
+        "ValueError: max_model_len 512 exceeds the model's 256"
+    assert chained(NlaInputError("c.yaml", "learner.lr: expected a number"), ValueError("x"), True) == "c.yaml: learner.lr: expected a number"

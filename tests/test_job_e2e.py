@@ -156,7 +156,7 @@ def test_two_engines_and_collective_push_give_the_same_run(tiny_dir, tmp_path):
     host, coll = tmp_path / "host", tmp_path / "collective"
     _train(tiny_dir, host, *common)
     res = _train(tiny_dir, coll, *common, "--set", "weight_sync.kind=broadcast", "--set", "rollout.num_engines=2")
-    up = re.search(r"adapter v1 on 2 engine\(s\); services up (\d+\.\d) s after they were asked for", res.stdout)
+    up = re.search(r"adapter v1 on 2 engine\(s\); engines and learner up (\d+\.\d) s after the services were asked for", res.stdout)
     assert up and 0 < float(up.group(1)) < 600, res.stdout[-2000:]  # the start-up's cost, for a user to see
     assert _comparable(_metrics(host)) == _comparable(_metrics(coll))
     assert max(r["logprob_mismatch_k3"] for r in _metrics(coll)) < 1e-4  # the engines sample the pushed weights

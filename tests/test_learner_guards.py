@@ -218,3 +218,14 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
         assert str(err.value).startswith(str(bf16 / "config.json"))
     saved_quantised(bnb_4bit_quant_storage="bfloat16")  # transformers reads that storage: only vLLM refuses it
     assert prequantized(bf16)["bnb_4bit_quant_storage"] == "bfloat16"
+
+    # before any actor, for either rollout backend, and under model.quantization none (which it would contradict)
+    saved_quantised(bnb_4bit_quant_type="fp4")
+    for backend in ("vllm", "hf"):
+        raw["rollout"] = {"backend": backend}
+        with pytest.raises(NlaInputError, match="bnb_4bit_quant_type: expected 'nf4'"):
+            prepare_job(build_config({**raw, "model": {**raw["model"], "path": str(bf16)}}, "t"), log=lambda *a: None)
+    saved_quantised()
+    raw["rollout"] = {"backend": "vllm"}
+    with pytest.raises(NlaInputError, match=r"model.quantization: expected nf4 \(.* is saved quantised in NF4"):
+        prepare_job(build_config({**raw, "model": {"path": str(bf16), "dtype": "bfloat16"}}, "t"), log=lambda *a: None)
