@@ -30,15 +30,34 @@ def _extract(corpus_path, tiny_dir, out, **kw):
                    batch_size=5, log=lambda m: None, **kw)
 
 
-def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, corpus, tmp_path):
+def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, corpus, tmp_path, monkeypatch):
+    """Each batch the extraction runs equals the whole model's own ``output_hidden_states[K + 1]`` on that
+    batch (fp32, <= 1e-5; the same computation). Each written vector is the residual of its document run
+    alone at its recorded position, to fp32 precision: a padded batch has other matrix shapes than one
+    document, and fp32 kernels sum in shape-dependent order (measured: up to 1.0e-5 on residuals of
+    magnitude ~12 on a 2-core AMD EPYC, 0 on others); a wrong position or padding is off by O(1)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from official_format import official_dataset_problems
+    from shared.extract import Extractor
+    from shared.torch_utils import right_pad
 
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
+    residuals, batch_worst = Extractor.residuals, []
+
+    def checked(self, ids):
+        got = residuals(self, ids)
+        x, mask = right_pad(ids, 0, "cpu")
+        with torch.no_grad():
+            want = model(x, attention_mask=mask, output_hidden_states=True).hidden_states[1]
+        batch_worst.append(max(float((got[i, :len(r)] - want[i, :len(r)]).abs().max()) for i, r in enumerate(ids)))
+        return got
+
+    monkeypatch.setattr(Extractor, "residuals", checked)
     path, texts = corpus
     written = _extract(path, tiny_dir, tmp_path / "out")
     assert set(written) == {"av_sft", "ar_sft", "rl"}
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
+    assert len(batch_worst) >= 8 and max(batch_worst) <= 1e-5, batch_worst
     tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
     docs_by_split, worst, rows = {}, 0.0, 0
     for name, parquet in written.items():
@@ -62,7 +81,7 @@ def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, 
         if name == "rl":
             res = run_cli("data", "check", parquet, timeout=120)
             assert res.returncode == 0, res.stderr
-    assert worst <= 1e-5 and rows > 60, (worst, rows)
+    assert worst <= 1e-4 and rows > 60, (worst, rows)
     a, b, c = docs_by_split.values()
     assert not (a & b or a & c or b & c)
     short = {d for d, text in texts.items() if len(tok(text)["input_ids"]) <= 8}
