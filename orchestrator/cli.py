@@ -186,7 +186,10 @@ def _stop_on_signals() -> None:
     instead of Ray's default handler (a native stack dump)."""
     import signal
 
+    from orchestrator.driver import note_signal
+
     def stop(signum, frame):
+        note_signal(signal.Signals(signum).name)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     signal.signal(signal.SIGTERM, stop)
@@ -307,7 +310,9 @@ def main(argv=None) -> int:
         print(f"nla-grpo: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({exc.args[0] if exc.args else 'SIGINT'})"
+        from orchestrator.driver import interrupted_by
+
+        where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({interrupted_by(exc)})"
         print(f"nla-grpo: error: {where}; a run continues from its last checkpoint with `nla-grpo train --resume RUN_DIR`",
               file=sys.stderr)
         return 143 if "SIGTERM" in where else 130

@@ -35,6 +35,22 @@ class StepInterrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM during the run, with the step and phase it stopped in."""
 
 
+_received: list[str] = []  # the signals the CLI's handler took, in order
+
+
+def note_signal(name: str) -> None:
+    """Called by the CLI's SIGINT / SIGTERM handler before it raises ``KeyboardInterrupt(name)``."""
+    _received.append(name)
+
+
+def interrupted_by(exc: BaseException) -> str:
+    """Which signal stopped the run: the interrupt's own argument, else the last signal the handler took
+    (a signal that lands while the driver waits inside Ray comes back as a bare ``KeyboardInterrupt()``)."""
+    if exc.args and isinstance(exc.args[0], str) and exc.args[0].startswith("SIG"):
+        return exc.args[0]
+    return _received[-1] if _received else "SIGINT"
+
+
 def startup_error(exc: BaseException) -> BaseException:
     """A failure while the services start, as one line: a dead actor by its class and its constructor's
     cause (``shared.actors`` carries it), anything else by its innermost cause."""
@@ -43,7 +59,7 @@ def startup_error(exc: BaseException) -> BaseException:
     from shared.errors import actor_class, actor_death, one_line
 
     if isinstance(exc, KeyboardInterrupt):
-        return StepInterrupted(f"starting the services: interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
+        return StepInterrupted(f"starting the services: interrupted ({interrupted_by(exc)})")
     if isinstance(exc, ray.exceptions.RayActorError):
         return StepError(f"starting the services: {actor_class(exc) or 'a service actor'} died: {actor_death(exc)}")
     return StepError(f"starting the services: {one_line(exc)}")
@@ -60,7 +76,7 @@ def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseExce
     if isinstance(exc, (StepError, StepInterrupted)) and str(exc).startswith("step "):
         return exc
     if isinstance(exc, KeyboardInterrupt):
-        return StepInterrupted(f"{where}: interrupted ({exc.args[0] if exc.args else 'SIGINT'})")
+        return StepInterrupted(f"{where}: interrupted ({interrupted_by(exc)})")
     if isinstance(exc, (StepError, RankFailure)):
         return StepError(f"{where}: {exc}")
     if isinstance(exc, ray.exceptions.RayActorError):

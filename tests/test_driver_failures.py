@@ -328,3 +328,16 @@ def test_one_line_follows_causes_not_the_error_being_handled():
     assert chained(ValueError("max_model_len 512 exceeds the model's 256"), KeyError("max_model_len"), False) == \
         "ValueError: max_model_len 512 exceeds the model's 256"
     assert chained(NlaInputError("c.yaml", "learner.lr: expected a number"), ValueError("x"), True) == "c.yaml: learner.lr: expected a number"
+
+
+def test_a_bare_interrupt_is_named_by_the_signal_the_handler_took(monkeypatch):
+    """A SIGTERM that lands while the driver waits inside Ray comes back as ``KeyboardInterrupt()`` without
+    its name: the line still says SIGTERM (exit 143), from what the handler noted."""
+    import orchestrator.driver as driver
+
+    monkeypatch.setattr(driver, "_received", [])
+    assert driver.interrupted_by(KeyboardInterrupt()) == "SIGINT"  # no handler ran: Ctrl-C's default
+    driver.note_signal("SIGTERM")
+    assert driver.interrupted_by(KeyboardInterrupt()) == "SIGTERM"
+    assert driver.interrupted_by(KeyboardInterrupt("SIGINT")) == "SIGINT"  # its own name wins
+    assert str(driver.startup_error(KeyboardInterrupt())) == "starting the services: interrupted (SIGTERM)"
