@@ -95,6 +95,8 @@ def write_random_nf4(out_dir, config, tokenizer_dir=None, seed: int = 0, device:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": index}, indent=1))
     raw = config.to_dict()
     raw["quantization_config"] = QUANTIZATION_CONFIG
+    # a config built in code names no architecture; vLLM then serves it as a pooling model
+    raw["architectures"] = raw.get("architectures") or [type(skeleton).__name__]
     raw["torch_dtype"] = raw["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(raw, indent=1))
     if tokenizer_dir is not None:

@@ -158,6 +158,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         raise NlaInputError("config", f"injection.karvonen_layer: expected 0..{blocks - 2} ({model_dir} has {blocks} "
                             f"decoder blocks, and after the last one no attention layer is left to carry the vector to "
                             f"the response), found {cfg.injection.karvonen_layer}")
+    if cfg.rollout.backend == "vllm":
+        from shared.check import check_generative
+
+        check_generative(model_dir)
     from shared.quantization import prequantized
 
     if prequantized(model_dir, vllm=cfg.rollout.backend == "vllm") is not None and cfg.model.quantization == "none":

@@ -28,6 +28,21 @@ def model_config_field(model_dir: str | Path, key: str) -> int | None:
     return raw.get(key) or (raw.get("text_config") or {}).get(key)
 
 
+def check_generative(model_dir: str | Path) -> None:
+    """vLLM picks the model class from config.json's ``architectures``; a config written from code
+    (``PretrainedConfig.to_dict()`` of a config never attached to a model) has none, and vLLM then serves
+    the checkpoint as a pooling model whose ``generate`` fails only after the engines are up (3 minutes
+    for a 32B shape). transformers' AutoModelForCausalLM goes by ``model_type`` and needs no such field."""
+    cfg = Path(model_dir) / "config.json"
+    if not cfg.is_file():
+        return
+    raw = json.loads(cfg.read_text())
+    found = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures")
+    if not found:
+        raise NlaInputError(cfg, "architectures: expected the model's generating class (such as Qwen3ForCausalLM), "
+                                 f"found {found!r}: vLLM would serve the model as a pooling model that cannot generate")
+
+
 def model_hidden_size(model_dir: str | Path) -> int | None:
     return model_config_field(model_dir, "hidden_size")
 

@@ -229,3 +229,28 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
     raw["rollout"] = {"backend": "vllm"}
     with pytest.raises(NlaInputError, match=r"model.quantization: expected nf4 \(.* is saved quantised in NF4"):
         prepare_job(build_config({**raw, "model": {"path": str(bf16), "dtype": "bfloat16"}}, "t"), log=lambda *a: None)
+
+
+def test_a_config_without_architectures_is_refused_for_vllm_before_any_actor(tiny_dir, tmp_path):
+    """A config.json written from code names no architecture; vLLM would then load the model as a pooling
+    model and fail at the first generate, minutes later (a 32B-shape run did). The HF backend goes by
+    model_type and takes it."""
+    import json
+    import shutil
+
+    from orchestrator.job import prepare_job
+    from shared.config import build_config
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    assert config["architectures"]  # the fixture as saved by transformers
+    raw = {"model": {"path": str(model)}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}
+    for missing in ({k: v for k, v in config.items() if k != "architectures"}, {**config, "architectures": None}):
+        (model / "config.json").write_text(json.dumps(missing))
+        with pytest.raises(NlaInputError, match=r"architectures: expected the model's generating class .* found None") as err:
+            prepare_job(build_config({**raw, "rollout": {"backend": "vllm"}}, "t"), log=lambda *a: None)
+        assert str(err.value).startswith(str(model / "config.json"))
+        prepare_job(build_config({**raw, "rollout": {"backend": "hf"}}, "t"), log=lambda *a: None)
+    (model / "config.json").write_text(json.dumps(config))
+    prepare_job(build_config({**raw, "rollout": {"backend": "vllm"}}, "t"), log=lambda *a: None)
