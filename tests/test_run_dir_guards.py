@@ -1,6 +1,7 @@
 """Run-directory guards: one writer at a time, resume only forward, stray checkpoint copies ignored,
 configs read as people write them."""
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +12,23 @@ from conftest import ROOT, run_cli
 from orchestrator.run_dir import RunDir
 from shared.config import build_config, load_config
 from shared.errors import NlaInputError
+
+
+@pytest.fixture(scope="module")
+def four_step_run(tiny_dir, tmp_path_factory):
+    """One 4-step tiny run (checkpoints at steps 2 and 4, a frozen critic), trained once for the
+    module; each test resumes its own copy (``_copy``)."""
+    run = tmp_path_factory.mktemp("four") / "run"
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
+                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
+                  "--set", "critic.train=false", "--set", "logging.eval_every=0", timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return run
+
+
+def _copy(run, tmp_path):
+    shutil.copytree(run, tmp_path / "run", symlinks=True)
+    return tmp_path / "run"
 
 
 def _run_dir(tiny_dir, path, steps=4):
@@ -70,12 +88,8 @@ def test_scientific_notation_and_empty_files(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("damage", ["truncate optimizer", "cut state.json"])
-def test_a_damaged_newest_checkpoint_is_skipped_and_named(tiny_dir, tmp_path, damage):
-    run = tmp_path / "run"
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
-                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
-                  "--set", "logging.eval_every=0", timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+def test_a_damaged_newest_checkpoint_is_skipped_and_named(four_step_run, tmp_path, damage):
+    run = _copy(four_step_run, tmp_path)
     newest = run / "checkpoints" / "step_000004"
     if damage == "truncate optimizer":
         f = newest / "policy" / "optimizer.safetensors"
@@ -94,46 +108,39 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_named(tiny_dir, tmp_path, da
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_resume_refuses_a_changed_config_naming_the_field(tiny_dir, tmp_path):
+def test_resume_refuses_a_changed_config_naming_the_field(four_step_run, tmp_path):
     import yaml
 
-    run = tmp_path / "run"
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "2", "--set", f"model.path={tiny_dir / 'model'}",
-                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "logging.eval_every=0", timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+    run = _copy(four_step_run, tmp_path)
     original = (run / "config.yaml").read_text()
     for section, key, value in (("learner", "lr", 1.0e-4), ("learner", "lora_r", 16), ("data", "max_rows", 100)):
         raw = yaml.safe_load(original)
         raw[section][key] = value
         (run / "config.yaml").write_text(yaml.safe_dump(raw))
-        res = run_cli("train", "--resume", run, "--steps", "4", timeout=300)
+        res = run_cli("train", "--resume", run, "--steps", "6", timeout=300)
         assert res.returncode == 2 and "Traceback" not in res.stderr and "[ray]" not in res.stdout, res.stderr[-2000:]
         assert f"{section}.{key}: " in res.stderr and "when the checkpoint was written" in res.stderr, res.stderr
     raw = yaml.safe_load(original)
     raw["logging"]["every"] = 2  # what a run logs may change
     (run / "config.yaml").write_text(yaml.safe_dump(raw))
-    res = run_cli("train", "--resume", run, "--steps", "3", timeout=600)
+    res = run_cli("train", "--resume", run, "--steps", "5", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     # on purpose, on the command line: the learning rate may change, the structure may not
-    res = run_cli("train", "--resume", run, "--steps", "4", "--set", "learner.lora_r=4", timeout=120)
+    res = run_cli("train", "--resume", run, "--steps", "6", "--set", "learner.lora_r=4", timeout=120)
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [
         res.stderr.strip()] and "--set: learner.lora_r: cannot change when a run resumes" in res.stderr, res.stderr
-    res = run_cli("train", "--resume", run, "--steps", "4", "--set", "learner.lr=1e-3", timeout=600)
+    res = run_cli("train", "--resume", run, "--steps", "6", "--set", "learner.lr=1e-3", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert yaml.safe_load((run / "config.yaml").read_text())["learner"]["lr"] == 1e-3
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_checkpoints_point_at_frozen_parts_instead_of_copying_them(tiny_dir, tmp_path):
+def test_checkpoints_point_at_frozen_parts_instead_of_copying_them(four_step_run, tmp_path):
     """A frozen critic and the reference adapter are not copied into each checkpoint: the reference
     is written once into the run directory, each checkpoint records SHA-256s; resume uses them, and a
     frozen file that changed is refused in one line."""
-    run = tmp_path / "run"
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
-                  "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
-                  "--set", "critic.train=false", "--set", "logging.eval_every=0", timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
+    run = _copy(four_step_run, tmp_path)
     for step in (2, 4):
         ckpt = run / "checkpoints" / f"step_{step:06d}"
         assert (ckpt / "critic.json").is_file() and not (ckpt / "critic").exists()
