@@ -19,8 +19,8 @@ def load_tokenizer(model_dir: str | Path):
     return AutoTokenizer.from_pretrained(str(p))
 
 
-def model_config_field(model_dir: str | Path, key: str) -> int | None:
-    """An integer field of the model's config.json (top level or its text_config); None when absent."""
+def model_config_field(model_dir: str | Path, key: str):
+    """A field of the model's config.json (top level or its text_config); None when absent."""
     cfg = Path(model_dir) / "config.json"
     if not cfg.is_file():
         return None
@@ -34,11 +34,8 @@ def check_generative(model_dir: str | Path) -> None:
     the checkpoint as a pooling model whose ``generate`` fails only after the engines are up (3 minutes
     for a 32B shape). transformers' AutoModelForCausalLM goes by ``model_type`` and needs no such field."""
     cfg = Path(model_dir) / "config.json"
-    if not cfg.is_file():
-        return
-    raw = json.loads(cfg.read_text())
-    found = raw.get("architectures") or (raw.get("text_config") or {}).get("architectures")
-    if not found:
+    found = model_config_field(model_dir, "architectures")
+    if cfg.is_file() and not found:
         raise NlaInputError(cfg, "architectures: expected the model's generating class (such as Qwen3ForCausalLM), "
                                  f"found {found!r}: vLLM would serve the model as a pooling model that cannot generate")
 
