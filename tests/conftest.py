@@ -21,6 +21,28 @@ def tiny_dir(tmp_path_factory) -> Path:
     return build_tiny(tmp_path_factory.mktemp("fixtures") / "tiny", seed=0)
 
 
+# the settings of ``six_step_run`` and of every run compared with it: evals and checkpoints every 3 steps, and
+# 16 prompts x 8 samples in micro-batches of 32 (two per rank when two ranks share them)
+SHARED_RUN = ["--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4", "--set", "checkpointing.every=3",
+              "--set", "learner.micro_batch=32", "--set", "critic.micro_batch=32"]
+
+
+def tiny_data(tiny_dir) -> list[str]:
+    return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
+
+
+@pytest.fixture(scope="session")
+def six_step_run(tiny_dir, tmp_path_factory) -> Path:
+    """Six steps of the tiny job with one learner rank, one engine and ``SHARED_RUN``'s settings, its
+    checkpoints self-contained (the frozen reference copied into each): trained once per session for the
+    tests that compare another run with it (a resumed one, a killed one, two ranks, two engines)."""
+    run = tmp_path_factory.mktemp("shared") / "six"
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", "6", *tiny_data(tiny_dir), *SHARED_RUN,
+                  "--set", "checkpointing.self_contained=true", timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run
+
+
 def run_cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     """Run ``nla-grpo`` as a user would (a fresh process), capturing its output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -11,15 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, SHARED_RUN, run_cli
 from shared.collective import GradientSums, deal_micro_batches
 from shared.config import build_config
 from shared.errors import NlaInputError
 
 TIMING = ("time/", "wall_s", "elapsed_s", "learner/tflops", "learner/tokens_per_s")
-# two micro-batches per rank at 16 prompts x 8 samples: the plan one rank makes, dealt over two
-COMMON = ["--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4", "--set", "checkpointing.every=3",
-          "--set", "learner.micro_batch=32", "--set", "critic.micro_batch=32"]
+# SHARED_RUN's micro-batches, two per rank: the plan one rank makes, dealt over two
 RANKS = ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2"]
 
 
@@ -43,17 +41,16 @@ def _state(run_dir, step):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_two_ranks_give_the_one_rank_run_and_resume_exactly(tiny_dir, tmp_path):
-    one, two, halves = tmp_path / "one", tmp_path / "two", tmp_path / "halves"
-    _train(tiny_dir, one, "--steps", "6", *COMMON)
-    res = _train(tiny_dir, two, "--steps", "6", *COMMON, *RANKS)
+def test_two_ranks_give_the_one_rank_run_and_resume_exactly(tiny_dir, tmp_path, six_step_run):
+    one, two, halves = six_step_run, tmp_path / "two", tmp_path / "halves"
+    res = _train(tiny_dir, two, "--steps", "6", *SHARED_RUN, *RANKS)
     assert "placement.learner_workers" not in res.stderr
     a, b = _state(one, 6), _state(two, 6)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     _assert_close(_metrics(one), _metrics(two))
     # 3 steps with 2 ranks, stop, resume with 2 ranks to 6: the straight 2-rank run
-    _train(tiny_dir, halves, "--steps", "3", *COMMON, *RANKS)
+    _train(tiny_dir, halves, "--steps", "3", *SHARED_RUN, *RANKS)
     res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     c = _state(halves, 6)

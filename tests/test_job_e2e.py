@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, free_port, private_ray_dir, run_cli, stop_ray_in
+from conftest import ROOT, SHARED_RUN, free_port, private_ray_dir, run_cli, stop_ray_in
 
 pytestmark = pytest.mark.slow
 # wall-clock measures and the rates derived from them differ between two runs of the same seed
@@ -86,34 +86,18 @@ def test_karvonen_job_on_vllm(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(1200)
-def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
-    common = ["--set", "checkpointing.every=3", "--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4"]
-    straight = tmp_path / "straight"
-    # self-contained checkpoints (the frozen reference copied into each) against the default (pointed at)
-    _train(tiny_dir, straight, "--steps", "6", *common, "--set", "checkpointing.self_contained=true")
+def test_a_killed_run_resumes_exactly(tiny_dir, tmp_path, six_step_run):
+    """Killed hard mid-run (after its first checkpoint), then resumed: the same adapter, metrics and learner
+    RNG stream as the straight run (a clean stop then ``--resume --steps`` is covered with two ranks and
+    with overlap); the resumed checkpoints point at the frozen reference, the straight run's copy it."""
+    straight = six_step_run
     assert (straight / "checkpoints" / "step_000006" / "policy" / "reference").is_dir()
     assert not (straight / "frozen").exists()
-
-    # k steps, stop, resume to 2k: identical adapter and metrics
-    halves = tmp_path / "halves"
-    _train(tiny_dir, halves, "--steps", "3", *common)
-    res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "[resume]" in res.stdout
-    assert (halves / "checkpoints" / "step_000006" / "policy" / "reference.json").is_file()
-    a, b = _adapter(straight, 6), _adapter(halves, 6)
-    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-    assert _comparable(_metrics(straight)) == _comparable(_metrics(halves))
-    # the learner's RNG stream too (nothing draws from it today; the next draw must not diverge)
-    rng = [load_file(str(r / "checkpoints" / "step_000006" / "policy" / "rng.safetensors")) for r in (straight, halves)]
-    assert rng[0].keys() == rng[1].keys() and all((rng[0][k] == rng[1][k]).all() for k in rng[0])
-
-    # killed hard mid-run (after its first checkpoint): resumes from it, same end state
     killed = tmp_path / "killed"
     ray_root = private_ray_dir()  # the killed driver's local Ray, to stop alone afterwards
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_root)
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
-           "--steps", "6", *_data_args(tiny_dir), *common]
+           "--steps", "6", *_data_args(tiny_dir), *SHARED_RUN]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_000003").is_dir() and proc.poll() is None and time.time() < deadline:
@@ -124,9 +108,14 @@ def test_resume_is_exact_and_a_killed_run_resumes(tiny_dir, tmp_path):
     assert (killed / "checkpoints" / "step_000003").is_dir()
     res = run_cli("train", "--resume", killed, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
-    c = _adapter(killed, 6)
-    assert all((a[k] == c[k]).all() for k in a)
+    assert "[resume] from" in res.stdout
+    assert (killed / "checkpoints" / "step_000006" / "policy" / "reference.json").is_file()
+    a, c = _adapter(straight, 6), _adapter(killed, 6)
+    assert a.keys() == c.keys() and all((a[k] == c[k]).all() for k in a)
     assert _comparable(_metrics(straight)) == _comparable(_metrics(killed))
+    # the learner's RNG stream too (nothing draws from it today; the next draw must not diverge)
+    rng = [load_file(str(r / "checkpoints" / "step_000006" / "policy" / "rng.safetensors")) for r in (straight, killed)]
+    assert rng[0].keys() == rng[1].keys() and all((rng[0][k] == rng[1][k]).all() for k in rng[0])
 
 
 @pytest.mark.timeout(900)
@@ -148,20 +137,20 @@ def test_overlap_resume_is_exact(tiny_dir, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_two_engines_and_collective_push_give_the_same_run(tiny_dir, tmp_path):
-    """Two real vLLM engines fed round-robin, the adapter broadcast to both over a gloo channel (NCCL
-    on GPUs): the same run, to the bit, as one engine fed through host memory. A sample depends on
-    (seed, row) and the weights, not on which engine drew it."""
-    common = ["--steps", "3", "--set", "logging.eval_every=0", "--set", "checkpointing.every=0"]
-    host, coll = tmp_path / "host", tmp_path / "collective"
-    _train(tiny_dir, host, *common)
-    res = _train(tiny_dir, coll, *common, "--set", "weight_sync.kind=broadcast", "--set", "rollout.num_engines=2")
+def test_two_engines_and_collective_push_give_the_same_run(tiny_dir, tmp_path, six_step_run):
+    """Two real vLLM engines fed round-robin (training and eval rollouts), the adapter broadcast to both
+    over a gloo channel (NCCL on GPUs): the same run, to the bit, as one engine fed through host memory
+    (the shared run's first 3 steps). A sample depends on (seed, row) and the weights, not on which
+    engine drew it."""
+    host, coll = six_step_run, tmp_path / "collective"
+    res = _train(tiny_dir, coll, "--steps", "3", *SHARED_RUN, "--set", "weight_sync.kind=broadcast", "--set", "rollout.num_engines=2")
     up = re.search(r"adapter v1 on 2 engine\(s\); engines and learner up (\d+\.\d) s after the services were asked for", res.stdout)
     assert up and 0 < float(up.group(1)) < 600, res.stdout[-2000:]  # the start-up's cost, for a user to see
-    assert _comparable(_metrics(host)) == _comparable(_metrics(coll))
-    assert max(r["logprob_mismatch_k3"] for r in _metrics(coll)) < 1e-4  # the engines sample the pushed weights
+    rows = _comparable(_metrics(coll))
+    assert len(rows) == 3 and "eval/fve" in rows[2] and rows == _comparable(_metrics(host))[:3]
+    assert max(r["logprob_mismatch_k3"] for r in rows) < 1e-4  # the engines sample the pushed weights
     a, b = _adapter(host, 3), _adapter(coll, 3)
-    assert all((a[k] == b[k]).all() for k in a)
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
 
 @pytest.mark.timeout(120)

@@ -105,3 +105,27 @@ def test_the_plugin_skips_the_warmup_only_in_this_projects_engines(monkeypatch):
     monkeypatch.setenv(compat.SKIP_ROUTER_WARMUP, "1")
     register()
     assert calls == [1]
+
+
+def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
+    """The installed sampler ranks logprobs with a compiled function (its first call traces and compiles
+    it: seconds of every CPU engine's first generate); replaced by the function as written, which counts
+    the same, and only once."""
+    import types
+
+    import torch
+    from rollout.vllm_compat import eager_logprob_ranks
+    from vllm.v1.sample import sampler
+
+    installed = sampler.batched_count_greater_than
+    assert getattr(installed, "_torchdynamo_orig_callable", None) is not None  # what the replacement relies on
+    mod = types.SimpleNamespace(batched_count_greater_than=installed)
+    assert eager_logprob_ranks(mod)
+    plain = mod.batched_count_greater_than
+    assert plain is installed._torchdynamo_orig_callable and not eager_logprob_ranks(mod)
+    logprobs = torch.log_softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), -1)
+    picked = logprobs.gather(-1, torch.tensor([[0], [7], [49], [3], [3]]))
+    expected = torch.tensor([int((logprobs[i] >= picked[i]).sum()) for i in range(5)])
+    assert torch.equal(plain(logprobs, picked), expected)
+    assert not eager_logprob_ranks(types.SimpleNamespace())  # gone in some version: nothing to do
+    assert sampler.batched_count_greater_than is installed  # the module passed in, not the installed one
