@@ -87,16 +87,22 @@ def test_scientific_notation_and_empty_files(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("damage", ["truncate optimizer", "cut state.json"])
-def test_a_damaged_newest_checkpoint_is_skipped_and_named(four_step_run, tmp_path, damage):
+def test_a_damaged_newest_checkpoint_is_skipped_and_named(four_step_run, tmp_path):
+    """Each damage is found before anything starts (a cut JSON file, a truncated safetensors file); the
+    resume then runs from the previous complete checkpoint."""
     run = _copy(four_step_run, tmp_path)
     newest = run / "checkpoints" / "step_000004"
-    if damage == "truncate optimizer":
-        f = newest / "policy" / "optimizer.safetensors"
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    else:
-        f = newest / "state.json"
-        f.write_text(f.read_text()[:10])
+    f = newest / "state.json"
+    intact = f.read_text()
+    f.write_text(intact[:10])
+    said = []
+    assert RunDir(run).loadable_checkpoint(log=said.append).name == "step_000002"
+    assert len(said) == 1 and said[0].startswith("[resume] skipping step_000004: ") and "state.json" in said[0], said
+    f.write_text(intact)
+    assert RunDir(run).loadable_checkpoint(log=said.append).name == "step_000004" and len(said) == 1
+
+    f = newest / "policy" / "optimizer.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     res = run_cli("train", "--resume", run, "--steps", "6", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     skipped = [l for l in res.stdout.splitlines() if l.startswith("[resume] skipping step_000004: ")]
