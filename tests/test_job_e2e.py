@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SHARED_RUN, free_port, private_ray_dir, run_cli, stop_ray_in
+from conftest import ROOT, SHARED_RUN, free_port, private_ray_dir, run_cli, run_cli_together, stop_ray_in
 
 pytestmark = pytest.mark.slow
 # wall-clock measures and the rates derived from them differ between two runs of the same seed
@@ -41,23 +41,31 @@ def _train(tiny_dir, run_dir, *extra, timeout=900):
     return res
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_demo_learns(tiny_dir, tmp_path, ranks):
-    """The tiny demo (fixed seed, shortened) raises reward and FVE well beyond run-to-run noise; with
-    2 learner and 2 critic ranks too (micro-batches of 64: each rank runs one of the two)."""
-    run = tmp_path / "learn"
-    dp = [] if ranks == 1 else ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2",
-                                "--set", "learner.micro_batch=64", "--set", "critic.micro_batch=64"]
-    res = _train(tiny_dir, run, "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0", *dp)
+@pytest.mark.timeout(1500)
+def test_demo_learns_with_one_and_with_two_ranks(tiny_dir, tmp_path):
+    """The tiny demo (fixed seed, shortened) raises reward and FVE well beyond run-to-run noise, with one
+    learner and critic rank and with two (micro-batches of 64: each rank runs one of the two). The two
+    runs go side by side, each with its own private Ray, as two runs on one host would."""
+    two_ranks = ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2",
+                 "--set", "learner.micro_batch=64", "--set", "critic.micro_batch=64"]
+    runs = {1: tmp_path / "one", 2: tmp_path / "two"}
+    done = run_cli_together(*(("train", ROOT / "deploy/tiny.yaml", "--run-dir", runs[ranks], *_data_args(tiny_dir),
+                               "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0",
+                               *(two_ranks if ranks == 2 else [])) for ranks in (1, 2)), timeout=1400)
+    for ranks, res in zip((1, 2), done):
+        assert res.returncode == 0, (ranks, res.stderr[-3000:])
+        _assert_the_demo_learned(runs[ranks], res.stdout)
+
+
+def _assert_the_demo_learned(run, stdout):
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(150))
     first, last = rows[:25], rows[-25:]
     r0, r1 = np.mean([r["reward_mean"] for r in first]), np.mean([r["reward_mean"] for r in last])
     f0, f1 = np.mean([r["fve"] for r in first]), np.mean([r["fve"] for r in last])
     noise = np.std([r["reward_mean"] for r in first])
-    assert r1 - r0 > max(0.5, 5 * noise), (r0, r1, noise)
-    assert f1 > f0 + 0.3 and f1 > 0, (f0, f1)
+    assert r1 - r0 > max(0.5, 5 * noise), (run.name, r0, r1, noise)
+    assert f1 > f0 + 0.3 and f1 > 0, (run.name, f0, f1)
     # weights really reach the engine: rollout and learner agree every step
     assert max(abs(r["logprob_mismatch_k3"]) for r in rows) < 1e-4
     assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
@@ -69,7 +77,7 @@ def test_demo_learns(tiny_dir, tmp_path, ranks):
     samples = [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {74, 149} and all("explanation" in s for s in samples)
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
-    assert (run / "config.yaml").is_file() and re.search(r"step +149/150 \| r ", res.stdout)
+    assert (run / "config.yaml").is_file() and re.search(r"step +149/150 \| r ", stdout)
 
 
 @pytest.mark.timeout(600)
@@ -123,8 +131,9 @@ def test_overlap_resume_is_exact(tiny_dir, tmp_path):
     """With grpo.overlap_rollout a checkpoint holds the rollout in flight: k + resume k == 2k straight."""
     common = ["--set", "grpo.overlap_rollout=true", "--set", "checkpointing.every=3", "--set", "logging.eval_every=0"]
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    _train(tiny_dir, straight, "--steps", "6", *common)
-    _train(tiny_dir, halves, "--steps", "3", *common)
+    for res in run_cli_together(*(("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, *_data_args(tiny_dir), "--steps", steps,
+                                   *common) for run, steps in ((straight, 6), (halves, 3)))):
+        assert res.returncode == 0, res.stderr[-3000:]
     assert (halves / "checkpoints" / "step_000003" / "pending_rollout.json").is_file()
     res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -108,24 +108,24 @@ def test_the_plugin_skips_the_warmup_only_in_this_projects_engines(monkeypatch):
 
 
 def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
-    """The installed sampler ranks logprobs with a compiled function (its first call traces and compiles
-    it: seconds of every CPU engine's first generate); replaced by the function as written, which counts
-    the same, and only once."""
+    """vLLM ranks logprobs with a compiled function (its first call traces and compiles it: seconds of
+    every CPU engine's first generate), which its sampler module imports by name; replaced there by the
+    function as written, which counts the same, and only once."""
     import types
 
     import torch
     from rollout.vllm_compat import eager_logprob_ranks
     from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs as ops
 
-    installed = sampler.batched_count_greater_than
-    assert getattr(installed, "_torchdynamo_orig_callable", None) is not None  # what the replacement relies on
-    mod = types.SimpleNamespace(batched_count_greater_than=installed)
+    compiled = ops.batched_count_greater_than  # vLLM's own, never replaced (a CPU engine of this process may have
+    plain = getattr(compiled, "_torchdynamo_orig_callable", None)  # replaced the sampler's name already)
+    assert plain is not None and sampler.batched_count_greater_than in (compiled, plain)
+    mod = types.SimpleNamespace(batched_count_greater_than=compiled)
     assert eager_logprob_ranks(mod)
-    plain = mod.batched_count_greater_than
-    assert plain is installed._torchdynamo_orig_callable and not eager_logprob_ranks(mod)
+    assert mod.batched_count_greater_than is plain and not eager_logprob_ranks(mod)
     logprobs = torch.log_softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(0)), -1)
     picked = logprobs.gather(-1, torch.tensor([[0], [7], [49], [3], [3]]))
     expected = torch.tensor([int((logprobs[i] >= picked[i]).sum()) for i in range(5)])
     assert torch.equal(plain(logprobs, picked), expected)
     assert not eager_logprob_ranks(types.SimpleNamespace())  # gone in some version: nothing to do
-    assert sampler.batched_count_greater_than is installed  # the module passed in, not the installed one
