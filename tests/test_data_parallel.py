@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, SHARED_RUN, run_cli, run_cli_together, tiny_data
+from conftest import ROOT, SHARED_RUN, run_cli, tiny_data
 from shared.collective import GradientSums, deal_micro_batches
 from shared.config import build_config
 from shared.errors import NlaInputError
@@ -19,6 +19,12 @@ from shared.errors import NlaInputError
 TIMING = ("time/", "wall_s", "elapsed_s", "learner/tflops", "learner/tokens_per_s")
 # SHARED_RUN's micro-batches, two per rank: the plan one rank makes, dealt over two
 RANKS = ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2"]
+
+
+def _train(tiny_dir, run_dir, *extra, timeout=900):
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, *tiny_data(tiny_dir), *extra, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
 
 
 def _metrics(run_dir):
@@ -36,16 +42,14 @@ def _state(run_dir, step):
 @pytest.mark.timeout(1500)
 def test_two_ranks_give_the_one_rank_run_and_resume_exactly(tiny_dir, tmp_path, six_step_run):
     one, two, halves = six_step_run, tmp_path / "two", tmp_path / "halves"
-    # the straight 2-rank run, and 3 steps with 2 ranks to resume below: side by side
-    done = run_cli_together(*(("train", ROOT / "deploy/tiny.yaml", "--run-dir", run, "--steps", steps, *tiny_data(tiny_dir),
-                               *SHARED_RUN, *RANKS) for run, steps in ((two, 6), (halves, 3))), timeout=1200)
-    assert all(res.returncode == 0 for res in done), [res.stderr[-3000:] for res in done]
-    assert "placement.learner_workers" not in done[0].stderr
+    res = _train(tiny_dir, two, "--steps", "6", *SHARED_RUN, *RANKS)
+    assert "placement.learner_workers" not in res.stderr
     a, b = _state(one, 6), _state(two, 6)
     assert a.keys() == b.keys()
     assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
     _assert_close(_metrics(one), _metrics(two))
     # 3 steps with 2 ranks, stop, resume with 2 ranks to 6: the straight 2-rank run
+    _train(tiny_dir, halves, "--steps", "3", *SHARED_RUN, *RANKS)
     res = run_cli("train", "--resume", halves, "--steps", "6", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     c = _state(halves, 6)
