@@ -215,8 +215,8 @@ def skip_router_gemm_warmup(module=None) -> bool:
 def eager_logprob_ranks(module=None) -> bool:
     """vLLM's sampler ranks each returned logprob (how many vocabulary entries are at least as likely)
     with a two-line function under ``torch.compile``. The first call in a process traces and compiles
-    it with inductor: 3.6 s of a CPU engine's first generate on an idle 2-core machine, about 8 s while
-    the learner starts beside it, against 0.35 s for the generate itself. On the CPU the engine runs
+    it with inductor: 3.6 s of a CPU engine's first generate (4.2 s in all, 0.35 s for the next ones) on
+    an idle 2-core machine; in a tiny job the first rollout took 5.8 s with it and 1.1 s without. On the CPU the engine runs
     eager anyway (``enforce_eager``), and the function is a comparison and a sum whose result, an integer
     count, is the same compiled or not. This gives the sampler module the function as written. Called
     for CPU engines only (GPU engines keep vLLM's kernel, which avoids a copy of the logprobs); returns

@@ -28,6 +28,7 @@ SHARED_RUN = ["--set", "logging.eval_every=3", "--set", "logging.eval_prompts=4"
 
 
 def tiny_data(tiny_dir) -> list[str]:
+    """The ``--set`` arguments that point a run at the tiny model and its RL parquet."""
     return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
 
 
@@ -80,10 +81,11 @@ def run_cli_together(*commands, timeout=900) -> list[subprocess.CompletedProcess
                 proc.kill()
                 proc.wait()
     done = []
-    for args, proc, (out, err) in zip(commands, procs, outs):
-        out.seek(0), err.seek(0)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
-        out.close(), err.close()
+    for proc, (out, err) in zip(procs, outs):
+        with out, err:
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read()))
     return done
 
 

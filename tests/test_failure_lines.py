@@ -9,13 +9,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, is_loopback, listening_sockets, run_cli
+from conftest import ROOT, is_loopback, listening_sockets, run_cli, tiny_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def _data(tiny_dir):
-    return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
 
 
 @pytest.mark.parametrize("sig,code,ranks", [(signal.SIGINT, 130, 1), (signal.SIGTERM, 143, 2)])
@@ -24,7 +20,7 @@ def test_a_signal_stops_the_run_with_one_line_and_it_resumes(tiny_dir, tmp_path,
     the data-parallel ranks' store and gloo) listens beyond loopback."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
-           "--steps", "400", *_data(tiny_dir), "--set", "logging.eval_every=0", "--set", "checkpointing.every=2",
+           "--steps", "400", *tiny_data(tiny_dir), "--set", "logging.eval_every=0", "--set", "checkpointing.every=2",
            "--set", f"placement.learner_workers={ranks}", "--set", f"placement.critic_workers={ranks}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -48,7 +44,7 @@ def test_a_signal_stops_the_run_with_one_line_and_it_resumes(tiny_dir, tmp_path,
 
 
 def test_a_bad_lora_target_stops_before_any_actor(tiny_dir, tmp_path):
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r", *_data(tiny_dir),
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r", *tiny_data(tiny_dir),
                   "--set", "learner.target_modules=[q_proj,bogus_proj]", timeout=300)
     assert res.returncode == 2 and "[ray]" not in res.stdout and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines() == [
@@ -63,7 +59,7 @@ def test_a_learner_killed_while_the_services_start_is_one_line(tiny_dir, tmp_pat
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
-           "--steps", "4", *_data(tiny_dir)]
+           "--steps", "4", *tiny_data(tiny_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     killed, deadline = None, time.time() + 300

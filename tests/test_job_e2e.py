@@ -12,15 +12,11 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, SHARED_RUN, free_port, private_ray_dir, run_cli, run_cli_together, stop_ray_in
+from conftest import ROOT, SHARED_RUN, free_port, private_ray_dir, run_cli, run_cli_together, stop_ray_in, tiny_data
 
 pytestmark = pytest.mark.slow
 # wall-clock measures and the rates derived from them differ between two runs of the same seed
 TIMING = ("time/", "wall_s", "elapsed_s", "learner/tflops", "learner/tokens_per_s")
-
-
-def _data_args(tiny_dir):
-    return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
 
 
 def _metrics(run_dir):
@@ -36,7 +32,7 @@ def _adapter(run_dir, step):
 
 
 def _train(tiny_dir, run_dir, *extra, timeout=900):
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, *_data_args(tiny_dir), *extra, timeout=timeout)
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, *tiny_data(tiny_dir), *extra, timeout=timeout)
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -49,7 +45,7 @@ def test_demo_learns_with_one_and_with_two_ranks(tiny_dir, tmp_path):
     two_ranks = ["--set", "placement.learner_workers=2", "--set", "placement.critic_workers=2",
                  "--set", "learner.micro_batch=64", "--set", "critic.micro_batch=64"]
     runs = {1: tmp_path / "one", 2: tmp_path / "two"}
-    done = run_cli_together(*(("train", ROOT / "deploy/tiny.yaml", "--run-dir", runs[ranks], *_data_args(tiny_dir),
+    done = run_cli_together(*(("train", ROOT / "deploy/tiny.yaml", "--run-dir", runs[ranks], *tiny_data(tiny_dir),
                                "--steps", "150", "--set", "logging.eval_every=75", "--set", "checkpointing.every=0",
                                *(two_ranks if ranks == 2 else [])) for ranks in (1, 2)), timeout=1400)
     for ranks, res in zip((1, 2), done):
@@ -105,7 +101,7 @@ def test_a_killed_run_resumes_exactly(tiny_dir, tmp_path, six_step_run):
     ray_root = private_ray_dir()  # the killed driver's local Ray, to stop alone afterwards
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_root)
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
-           "--steps", "6", *_data_args(tiny_dir), *SHARED_RUN]
+           "--steps", "6", *tiny_data(tiny_dir), *SHARED_RUN]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
     while not (killed / "checkpoints" / "step_000003").is_dir() and proc.poll() is None and time.time() < deadline:
@@ -168,10 +164,10 @@ def test_bad_config_or_data_stops_before_any_actor(tiny_dir, tmp_path):
                   "--set", f"data.parquet={tmp_path / 'missing.parquet'}")
     assert res.returncode == 2 and "missing.parquet" in res.stderr and "[ray]" not in res.stdout
     assert len([l for l in res.stderr.splitlines() if l.strip()]) == 1 and "Traceback" not in res.stderr
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r2", *_data_args(tiny_dir),
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r2", *tiny_data(tiny_dir),
                   "--set", "rollout.extra_stop_tokens=[zzqq]")
     assert res.returncode == 2 and "rollout.extra_stop_tokens" in res.stderr and "[ray]" not in res.stdout
-    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r3", *_data_args(tiny_dir), "--set", "grpo.kl_beta=-1")
+    res = run_cli("train", ROOT / "deploy/tiny.yaml", "--run-dir", tmp_path / "r3", *tiny_data(tiny_dir), "--set", "grpo.kl_beta=-1")
     assert res.returncode == 2 and "grpo.kl_beta" in res.stderr
     assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3"))
     assert time.time() - t < 60
@@ -196,7 +192,7 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
             [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT),
              "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
              sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
-             *_data_args(tiny_dir), "--set", "logging.eval_every=0"],
+             *tiny_data(tiny_dir), "--set", "logging.eval_every=0"],
             capture_output=True, text=True, env=env, timeout=800)
         assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-2000:])
         assert "succeeded" in (sub.stdout + sub.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
