@@ -53,7 +53,7 @@ def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len
     import yaml
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from shared.tiny import AV_TEMPLATE, AR_TEMPLATE, CONCEPT_CLOSE, CONCEPT_OPEN, MARKER, build_tokenizer, write_rl_parquet
+    from dataprep.tiny import AV_TEMPLATE, AR_TEMPLATE, CONCEPT_CLOSE, CONCEPT_OPEN, MARKER, build_tokenizer, write_rl_parquet
 
     mdir = root / "model"
     if (root / "rl.parquet.nla_meta.yaml").is_file():

@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shared.tiny import GPU_OVERRIDES, learning_summary  # noqa: E402
+from dataprep.tiny import GPU_OVERRIDES, learning_summary  # noqa: E402
 
 
 def main() -> None:

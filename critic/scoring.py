@@ -84,7 +84,7 @@ class Critic:
     """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
 
     def __init__(self, cfg, spec, device: str = "cpu", data_parallel=None):
-        from shared.check import load_tokenizer
+        from shared.model_checks import load_tokenizer
         from shared.collective import DataParallel
         from shared.torch_utils import resolve_dtype
 

@@ -89,7 +89,7 @@ def _data_tiny(args) -> int:
     out = Path(args.out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NlaInputError(out, "exists and is not an empty directory")
-    from shared.tiny import build_tiny
+    from dataprep.tiny import build_tiny
 
     build_tiny(out, seed=args.seed)
     print(f"wrote {out}/model, {out}/rl.parquet and its sidecar (seed {args.seed})")
@@ -99,7 +99,7 @@ def _data_tiny(args) -> int:
 def _data_check(args) -> int:
     from pathlib import Path
 
-    from shared.check import check_dataset
+    from dataprep.check import check_dataset
 
     if args.config is None:
         if args.set:
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
         if args.cmd == "data" and args.data_cmd == "extract":
-            from shared.extract import extract
+            from dataprep.extract import extract
 
             written = extract(args.corpus, args.model, args.layer, args.out, args.positions_per_doc, args.min_position,
                               args.max_docs, args.splits, args.seed, args.max_tokens, args.batch_size, args.chunk_docs,

@@ -80,7 +80,7 @@ def adapter_order(adapter: Path, model_dir: Path) -> list[str]:
 
     from safetensors import safe_open
 
-    from shared.check import _linear_modules
+    from shared.model_checks import _linear_modules
 
     position = {name: i for i, name in enumerate(_linear_modules(str(model_dir)))}
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:

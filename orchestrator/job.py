@@ -137,7 +137,7 @@ def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
-    from shared.check import check_target_modules, load_tokenizer, model_config_field, model_hidden_size
+    from shared.model_checks import check_target_modules, load_tokenizer, model_config_field, model_hidden_size
     from shared.data import read_rows, split_eval
     from shared.prompts import as_ids, prompt_table
     from shared.schema import fve_baselines
@@ -159,7 +159,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
                             f"decoder blocks, and after the last one no attention layer is left to carry the vector to "
                             f"the response), found {cfg.injection.karvonen_layer}")
     if cfg.rollout.backend == "vllm":
-        from shared.check import check_generative
+        from shared.model_checks import check_generative
 
         check_generative(model_dir)
     from shared.quantization import prequantized
@@ -168,7 +168,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         raise NlaInputError("config", f"model.quantization: expected nf4 ({model_dir} is saved quantised in NF4, and "
                                       f"every service would load it so), found none")
     if cfg.model.quantization == "nf4" and cfg.rollout.backend == "vllm":
-        from shared.check import check_quantization_source
+        from shared.model_checks import check_quantization_source
 
         check_quantization_source(model_dir, cfg.model.dtype)
     cfg = _resolve_critic(cfg, spec)
@@ -177,7 +177,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     for field in ("adapter_init", "reference_adapter"):
         adapter = getattr(cfg.learner, field)
         if adapter is not None:
-            from shared.check import check_adapter_dir
+            from shared.model_checks import check_adapter_dir
             from shared.injection import check_adapter_injection
 
             check_adapter_injection(adapter, cfg, log)

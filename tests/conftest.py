@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny model + RL parquet + sidecar, built once per test session (seed 0)."""
-    from shared.tiny import build_tiny
+    from dataprep.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("fixtures") / "tiny", seed=0)
 

@@ -57,7 +57,7 @@ def test_data_check_with_a_config_checks_what_training_checks(tiny_dir):
 
 def test_training_and_data_check_render_the_same_prompt_table(tiny_dir):
     from orchestrator.job import prepare_job
-    from shared.check import load_tokenizer
+    from shared.model_checks import load_tokenizer
     from shared.config import build_config
     from shared.data import read_rows
     from shared.prompts import prompt_table

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from shared.data import read_rows
-from shared.tiny import write_rl_parquet
+from dataprep.tiny import write_rl_parquet
 
 from conftest import ROOT, run_cli
 

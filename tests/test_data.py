@@ -9,7 +9,7 @@ import pytest
 from shared.data import ShuffledOrder, is_eval_doc, read_rows, split_eval
 from shared.prompts import find_marker_site, has_marker_trigram, render_av_ids, render_critic_text
 from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
-from shared.tiny import build_tiny, write_rl_parquet
+from dataprep.tiny import build_tiny, write_rl_parquet
 
 
 def test_tiny_is_byte_identical_per_seed(tmp_path, tiny_dir):
@@ -98,7 +98,7 @@ def test_shuffled_order_deterministic_and_resumable():
 
 
 def test_learning_summary_means_first_and_last_windows_and_collects_evals():
-    from shared.tiny import learning_summary
+    from dataprep.tiny import learning_summary
 
     rows = [{"step": i, "reward_mean": float(i), "fve": -float(i)} for i in range(10)]
     rows[4]["eval/fve"] = 0.5

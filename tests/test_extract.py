@@ -11,7 +11,7 @@ import torch
 
 from conftest import run_cli
 from shared.errors import NlaInputError
-from shared.extract import extract, parse_splits, split_of
+from dataprep.extract import extract, parse_splits, split_of
 
 WORDS = "sea wave salt ship tide fish coral harbor sailor storm tree leaf moss wolf pine".split()
 
@@ -39,7 +39,7 @@ def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from official_format import official_dataset_problems
-    from shared.extract import Extractor
+    from dataprep.extract import Extractor
     from shared.torch_utils import right_pad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()

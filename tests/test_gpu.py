@@ -10,7 +10,7 @@ from conftest import ROOT, run_cli
 from rollout_support import tiny_config, tiny_requests
 from shared.config import build_config
 from shared.spec import load_spec, sidecar_path
-from shared.tiny import GPU_OVERRIDES, learning_summary
+from dataprep.tiny import GPU_OVERRIDES, learning_summary
 
 # the colocated job's gains over 250 steps (last 25 minus first 25 steps' means): below the smallest
 # gains of three seeds on an H200 (+2.03 and +1.58, benchmarks/RESULTS.md §3), about half of them
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
 @pytest.fixture(scope="module")
 def tiny_bf16_dir(tiny_dir, tmp_path_factory):
     """The tiny fixture with its model stored in bf16: NF4 runs need the checkpoint in the compute dtype
-    (vLLM quantises the stored weights, the learner the cast ones; ``shared.check.check_quantization_source``)."""
+    (vLLM quantises the stored weights, the learner the cast ones; ``shared.model_checks.check_quantization_source``)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -281,7 +281,7 @@ def test_colocated_nf4_job_runs_with_logprobs_at_the_noise_floor(tiny_bf16_dir, 
 
 
 def _gpu_job(tiny_dir, run_dir, steps, *sets, timeout=900):
-    """The tiny demo on GPUs (``shared.tiny.GPU_OVERRIDES``: bf16, a critic LoRA, no checkpoints)."""
+    """The tiny demo on GPUs (``dataprep.tiny.GPU_OVERRIDES``: bf16, a critic LoRA, no checkpoints)."""
     args = ["train", ROOT / "deploy/tiny.yaml", "--run-dir", run_dir, "--steps", str(steps),
             "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
     for s in (*GPU_OVERRIDES, *sets):

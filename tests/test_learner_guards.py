@@ -130,7 +130,7 @@ def test_an_adapter_directory_is_checked_before_any_actor(tiny_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from shared.check import check_adapter_dir
+    from shared.model_checks import check_adapter_dir
 
     good = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
     check_adapter_dir(good, tiny_dir / "model", "learner.adapter_init")
@@ -174,7 +174,7 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
     from safetensors.torch import load_file, save_file
 
     from orchestrator.job import prepare_job
-    from shared.check import check_quantization_source
+    from shared.model_checks import check_quantization_source
     from shared.config import build_config
     from shared.quantization import hf_quantization_kwargs, prequantized
 

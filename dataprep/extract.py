@@ -255,7 +255,7 @@ def run_chunks(job: ChunkJob, worker: int, workers: int, stop_after: int | None 
     import pyarrow.parquet as pq
     import torch
 
-    from shared.check import load_tokenizer
+    from shared.model_checks import load_tokenizer
 
     work = Path(job.work)
     tok = load_tokenizer(job.model)
@@ -310,7 +310,7 @@ def _run_on_ray(job: ChunkJob, workers: int, stop_after: int | None, progress) -
 
     import ray
 
-    from orchestrator.placement import start_ray
+    from shared.ray_cluster import start_ray
 
     start_ray()
     gpu = job.device.startswith("cuda")
@@ -351,7 +351,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     many chunks, as a kill would (for tests)."""
     import torch
 
-    from shared.check import load_tokenizer, model_config_field
+    from shared.model_checks import load_tokenizer, model_config_field
     from shared.schema import resolve_scale
 
     corpus, model_dir, out = Path(corpus), Path(model_dir), Path(out_dir)

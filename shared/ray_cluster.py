@@ -1,0 +1,43 @@
+"""The Ray cluster a command runs in: the one ``ray job submit`` started, or a private one on loopback."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_ray() -> None:
+    """Join the cluster a ``ray job submit`` runs in, or start a private local one."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True)
+        return
+    _loopback_only()
+    path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(
+        # "local": always a private cluster; a bare init() would join any `ray start` cluster on this host
+        address="local", include_dashboard=False, log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}},
+    )
+
+
+def _loopback_only() -> None:
+    """Keep the private cluster on loopback: every Ray socket (GCS, raylet, workers, agents) binds
+    127.0.0.1, and the process groups' stores and gloo follow the node address Ray reports.
+
+    Ray takes a node address of 127.0.0.1 only where it considers clusters unsupported (its
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` switch, off on Windows and macOS); anything else, even an
+    explicit ``_node_ip_address="127.0.0.1"``, becomes the host's reachable address and its gRPC servers
+    listen on every interface. The variable reaches the daemons and workers through the environment;
+    the driver's own copy of the constant is set too, since ray may be imported already.
+    """
+    import ray._private.ray_constants as ray_constants
+
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would pick the hostname's interface
