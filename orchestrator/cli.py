@@ -62,6 +62,17 @@ def _parser() -> argparse.ArgumentParser:
                     "(its prefill, stop tokens, karvonen layer, batch size, eval rows)")
     _add_overrides(dc, "override a field of --config")
 
+    ssub = _group(sub, "sft", "the SFT stages before RL: AV-SFT makes learner.adapter_init, AR-SFT critic.checkpoint")
+    for stage, what in (("av", "AV-SFT: the verbaliser's LoRA learns the teacher's explanations from the injected activation "
+                                "-> RUN_DIR/adapter"),
+                        ("ar", "AR-SFT: the critic learns to map explanations back to activations -> RUN_DIR/critic")):
+        sp = ssub.add_parser(stage, help=what)
+        sp.add_argument("config", nargs="?", help="the run config (its sft section, model, prompts, injection, learner, critic)")
+        sp.add_argument("--run-dir", help=f"run directory (default runs/<config name>-sft-{stage}-<time>)")
+        sp.add_argument("--steps", type=int, help=f"total step count to reach (sft.{stage}.steps)")
+        sp.add_argument("--resume", metavar="RUN_DIR", help="continue the stage in RUN_DIR from its last checkpoint")
+        _add_overrides(sp, f"override a config field, e.g. sft.{stage}.lr=1e-4")
+
     ci = _group(sub, "critic", "AR checkpoints").add_parser("import-reference", help="convert the reference trainer's AR-LoRA directory "
                          "(ar_meta.json + ar_lora_value_head.safetensors) into a critic.checkpoint directory")
     ci.add_argument("ar_dir")
@@ -181,6 +192,69 @@ def _train(args) -> int:
     return _run_services(job, run, resume_from)
 
 
+def _sft(args) -> int:
+    from pathlib import Path
+
+    from orchestrator.job import absolute_paths
+    from shared.config import load_config
+    from shared.errors import NlaInputError
+    from orchestrator.run_dir import RunDir
+    from sft.driver import SftRunDir, load_data, run_stage, start_ranks, stop_ranks
+    from shared.ray_cluster import start_ray
+
+    stage = args.sft_cmd
+    steps = [f"sft.{stage}.steps={args.steps}"] if args.steps is not None else []
+    if (args.resume is None) == (args.config is None):
+        raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
+    if args.resume is not None:
+        if args.run_dir:
+            raise NlaInputError(f"sft {stage}", "--resume continues the stage in its own directory: no --run-dir with it")
+        run = SftRunDir(RunDir.open(args.resume).path, stage)
+        run.lock()
+        cfg = run.config(list(args.set) + steps)
+        resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
+    else:
+        cfg = absolute_paths(load_config(args.config, list(args.set) + steps), Path.cwd())
+        run_dir = args.run_dir or f"runs/{Path(args.config).stem}-sft-{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+        SftRunDir.check_new(run_dir)
+        resume_from = None
+    data = load_data(cfg, stage, log=lambda m: print(m, flush=True))
+    if args.resume is None:
+        run = SftRunDir(RunDir.create(run_dir, cfg).path, stage)
+        run.lock()
+    else:
+        run.save_config(cfg)
+    print(f"[run] {run.path}", flush=True)
+    start_ray()
+    _stop_on_signals()
+    group, pgs = None, []
+    try:
+        try:
+            group, pgs = start_ranks(cfg, stage, data.job.spec)
+            group.join()
+        except BaseException as exc:
+            from orchestrator.driver import startup_error
+
+            raise startup_error(exc) from None
+        last = run_stage(stage, cfg, run, data, group, resume_from, log=lambda m: print(m, flush=True))
+    except BaseException:
+        if resume_from is None and not run.list_checkpoints():
+            import shutil
+
+            shutil.rmtree(run.path, ignore_errors=True)  # a new stage that failed before its first checkpoint leaves nothing
+        raise
+    finally:
+        stop_ranks(group, pgs)
+    if run.read_metrics():
+        from orchestrator.plot import write_plots
+
+        print(f"[plot] {write_plots(run.path)}")
+    key = "eval/nll" if stage == "av" else "eval/fve"
+    print(f"[done] {run.product}: step {last.get('step', '-')}, {key} {last.get(key, float('nan')):.4f}; use it with "
+          + (f"learner.adapter_init={run.product}" if stage == "av" else f"critic.checkpoint={run.product}"))
+    return 0
+
+
 def _stop_on_signals() -> None:
     """SIGTERM stops the run as Ctrl-C does (the driver then tears Ray down and prints one line),
     instead of Ray's default handler (a native stack dump)."""
@@ -284,6 +358,8 @@ def main(argv=None) -> int:
             return _data_check(args)
         if args.cmd == "train":
             return _train(args)
+        if args.cmd == "sft":
+            return _sft(args)
         if args.cmd == "config" and args.config_cmd == "check":
             return _config_check(args)
         if args.cmd == "critic" and args.critic_cmd == "import-reference":

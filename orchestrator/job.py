@@ -47,7 +47,7 @@ class Job:
 
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
 # (the data's content is checked by its fingerprint instead)
-RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "evals.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
+RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "sft.", "evals.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
                      "critic.checkpoint", "learner.adapter_init", "learner.reference_adapter")
 # what `train --resume --set` may change on purpose: the above, and the learning rates (the run then
 # continues with the new rate from the checkpoint on; editing config.yaml by hand is still refused)

@@ -30,6 +30,8 @@ def _json_safe(obj):
 
 
 class RunDir:
+    required_parts = REQUIRED_PARTS  # what a loadable checkpoint of this kind of run holds
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.metrics = self.path / "metrics.jsonl"
@@ -159,7 +161,7 @@ class RunDir:
 
         from shared.fileio import resolve_reference
 
-        for part in REQUIRED_PARTS:
+        for part in self.required_parts:
             options = (part,) if isinstance(part, str) else part
             if not any((ckpt / p).is_file() for p in options):
                 return f"{' or '.join(options)} is missing"

@@ -393,6 +393,41 @@ class CheckpointConfig(_Section):
     checkpoint, so each stands alone; off: checkpoints point at them by path and SHA-256."""
 
 
+
+class SftStageConfig(_Section):
+    data: Optional[str] = None
+    """The explained split this stage trains on (``nla-grpo data explain`` writes it); None = the stage's
+    ``<stage>_sft.explained.parquet`` beside data.parquet."""
+    lr: float = Field(1e-4, gt=0.0, le=1.0)
+    """Peak learning rate (the AV's LoRA, or the AR's LoRA / full weights)."""
+    warmup_steps: int = Field(0, ge=0, le=10_000_000)
+    """Steps of linear warm-up from 0 to lr."""
+    schedule: Literal["constant", "cosine"] = "cosine"
+    """After the warm-up: constant, or cosine decay to lr/10 at the last step."""
+    steps: Optional[int] = Field(None, ge=1, le=10_000_000)
+    """Optimiser steps; None = epochs x the batches one pass over the training rows holds."""
+    epochs: float = Field(1.0, gt=0.0, le=10_000.0)
+    """Passes over the training rows when steps is None."""
+    batch_tokens: int = Field(16384, ge=1, le=1 << 30)
+    """Tokens per optimiser step (AV: prompt + explanation; AR: the critic prompt); a batch holds whole rows,
+    at least one."""
+    eval_every: int = Field(50, ge=0, le=10_000_000)
+    """Evaluate on the held-out documents every N steps and at the end (0 = only at the end)."""
+    eval_rows: int = Field(512, ge=1, le=10_000_000)
+    """Held-out rows evaluated (the first ones of the document-disjoint eval split, data.eval_fraction)."""
+    checkpoint_every: int = Field(100, ge=0, le=10_000_000)
+    """Save a resumable checkpoint every N steps (0 = only at the end)."""
+
+
+class SftConfig(_Section):
+    av: SftStageConfig = Field(default_factory=SftStageConfig)
+    """AV-SFT (``nla-grpo sft av``): cross-entropy on the teacher's explanation given the injected prompt; the
+    adapter has learner.lora_r / lora_alpha / use_rslora / target_modules."""
+    ar: SftStageConfig = Field(default_factory=lambda: SftStageConfig(lr=1e-5))
+    """AR-SFT (``nla-grpo sft ar``): the critic's normalised-MSE regression from explanation to activation; its
+    structure is critic.num_layers / lora_r / lora_alpha (lora_r 0 or None: full fine-tuning)."""
+
+
 class RunConfig(_Section):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     """Seed of data order, sampling and initialisation."""
@@ -411,6 +446,8 @@ class RunConfig(_Section):
     evals: EvalsConfig = Field(default_factory=EvalsConfig)
     """Judged faithfulness evals, run on the logging.eval_every steps."""
     checkpointing: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    sft: SftConfig = Field(default_factory=SftConfig)
+    """The SFT stages that make learner.adapter_init and critic.checkpoint (``nla-grpo sft av|ar``)."""
 
     @field_validator("rollout")
     @classmethod

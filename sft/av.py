@@ -1,0 +1,83 @@
+"""AV-SFT on the learner's own path: the RL policy (``learner.service.Learner``: PEFT LoRA, packed rows,
+LoRA computed in the model dtype, chunked LM-head logprobs, data-parallel ranks), with the GRPO loss
+replaced by the token-mean cross-entropy of the explanation given the injected prompt.
+
+The prompt, its marker site and the injection are the RL rollout's (the same prompt table, chat
+template, ``enable_thinking`` and prefill), so the adapter learns exactly the policy RL starts from.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from learner.policy import POLICY
+from learner.service import Learner, _Item, _sync
+from sft.plan import token_nll_sum
+
+
+def _items(prompts, sites, responses, vectors) -> list[_Item]:
+    import numpy as np
+
+    # a copy: arrays that crossed Ray are read-only, which torch warns about
+    vecs = vectors.float() if isinstance(vectors, torch.Tensor) else torch.from_numpy(np.array(vectors, dtype=np.float32))
+    return [_Item(i, list(p), list(r), int(s), vecs[i], torch.empty(0), 0.0)
+            for i, (p, s, r) in enumerate(zip(prompts, sites, responses))]
+
+
+class AvSftLearner(Learner):
+    """A ``Learner`` whose step is supervised: one clipped optimiser step on a batch of (prompt, vector,
+    explanation response) rows, at the rate the caller gives (the schedule lives with the driver)."""
+
+    def sft_step(self, prompts, sites, responses, vectors, lr: float) -> dict:
+        """Token-mean cross-entropy over every response token of the batch (all ranks together), one step."""
+        from shared.collective import GradientSums
+
+        items = _items(prompts, sites, responses, vectors)
+        n_tokens = sum(len(r) for r in responses)
+        for group in self.optimizer.param_groups:
+            group["lr"] = float(lr)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = GradientSums(self.params, several=self.dp.world_size > 1)
+        self.model.train()
+        nll_sum, executed = 0.0, 0
+        for _, batch in self._micro_batches(items):
+            with self.policy.injecting(batch):
+                logp, mask = self.policy.forward_logprobs(batch)
+                nll, _ = token_nll_sum(logp, mask)
+                (nll / n_tokens).backward()  # shares of the batch mean: the summed gradient is the batch's
+            sums.add()
+            nll_sum += float(nll.detach())
+            executed += int(batch.processed) if hasattr(batch, "processed") else int(batch.attention_mask.sum())
+            del logp, nll
+        nll_sum, executed = self.dp.sum_values([nll_sum, executed], self.device)
+        sums.finish(self.dp)
+        loss = nll_sum / max(n_tokens, 1)
+        norm, skipped = self._optimizer_step(loss, len(items))
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        # executed FLOPs: forward 2·N and backward 2·N per token the rows hold (the frozen base's weight
+        # gradients are never formed; the LoRA's are a rounding error next to N)
+        return {"loss": loss, "grad_norm": norm, "skipped": skipped, "tokens": n_tokens, "executed_tokens": int(executed),
+                "seconds": seconds, "tflops_executed": 4 * self.base_params * executed / seconds / 1e12 if seconds else 0.0,
+                "micro_batch_tokens": self.micro_batch_tokens or 0}
+
+    @torch.no_grad()
+    def nll(self, prompts, sites, responses, vectors) -> dict:
+        """Held-out token-mean NLL of the responses (every micro-batch on this rank)."""
+        items = _items(prompts, sites, responses, vectors)
+        logps = self._score(items, POLICY, mine=False)
+        total = sum(float(-lp.sum()) for lp in logps)
+        tokens = sum(lp.numel() for lp in logps)
+        return {"nll": total / tokens if tokens else math.nan, "tokens": tokens}
+
+    def save_adapter_dir(self, directory) -> str:
+        """The trained adapter alone, as ``learner.adapter_init`` takes it: PEFT files + the injection record."""
+        from shared.fileio import atomic_directory
+
+        with atomic_directory(directory) as tmp:
+            self._save_adapter(POLICY, tmp, mkdir=False)
+        return str(directory)

@@ -1,0 +1,293 @@
+"""``nla-grpo sft av|ar``: one SFT stage as a run directory, top to bottom.
+
+The run directory is a training run's: ``config.yaml`` (the resolved RL config the stage reads),
+``metrics.jsonl`` (one line per step, ``eval/...`` on eval steps; step 0 is the untrained eval),
+``checkpoints/step_NNNNNN/`` (``state.json`` + the ranks' full state under ``model/``), ``plots/``, and
+at the end the stage's product, written atomically: ``adapter/`` (AV: what ``learner.adapter_init`` and
+``learner.reference_adapter`` take) or ``critic/`` (AR: what ``critic.checkpoint`` takes).
+
+Every step's rows and rate are functions of (seed, step) (``sft.plan``), and a checkpoint holds the
+weights, the optimiser's moments and the step, so a run killed and resumed ends with the adapter a
+straight run ends with.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.run_dir import RunDir
+from shared.errors import NlaInputError
+
+PRODUCT = {"av": "adapter", "ar": "critic"}
+STAGE_NAME = {"av": "AV-SFT", "ar": "AR-SFT"}
+# what a stage's result depends on: a resume that changes any of these is refused (steps and the
+# cadences may change; files may move)
+DEPENDS = {"av": ("seed", "model.dtype", "model.quantization", "injection.", "prompts.", "learner.", "rollout.prefill",
+                  "rollout.extra_stop_tokens", "data.eval_fraction", "data.max_rows", "sft.av.lr", "sft.av.warmup_steps",
+                  "sft.av.schedule", "sft.av.epochs", "sft.av.batch_tokens", "placement.learner_workers"),
+           "ar": ("seed", "model.dtype", "model.quantization", "critic.num_layers", "critic.lora_r", "critic.lora_alpha",
+                  "critic.add_bos", "critic.optimizer", "critic.max_grad_norm", "critic.micro_batch", "critic.max_prompt_tokens",
+                  "data.eval_fraction", "data.max_rows", "sft.ar.lr", "sft.ar.warmup_steps", "sft.ar.schedule",
+                  "sft.ar.epochs", "sft.ar.batch_tokens", "placement.critic_workers")}
+
+
+class SftRunDir(RunDir):
+    """A run directory whose checkpoints hold one stage's ranks (``model/``) instead of the RL services."""
+
+    def __init__(self, path, stage: str):
+        super().__init__(path)
+        self.stage = stage
+        self.required_parts = ("state.json", "model/learner_state.json" if stage == "av" else "model/critic_meta.json")
+        self.product = self.path / PRODUCT[stage]
+
+
+def explained_split(cfg, stage: str) -> Path:
+    """The explained split the stage trains on: ``sft.<stage>.data``, else beside ``data.parquet``."""
+    given = getattr(cfg.sft, stage).data
+    return Path(given) if given else Path(cfg.data.parquet).parent / f"{stage}_sft.explained.parquet"
+
+
+def stage_config(cfg, stage: str):
+    """The config the stage's ranks are built from: a fresh adapter or critic (never the RL run's
+    adapter_init / critic.checkpoint, which are what this stage makes), no judged evals, and the
+    explained split as the data (its own sidecar)."""
+    from shared.config import build_config
+
+    raw = cfg.model_dump(mode="python")
+    raw["data"].update(parquet=str(explained_split(cfg, stage)), sidecar=None)
+    raw["learner"].update(adapter_init=None, reference_adapter=None)
+    raw["critic"].update(checkpoint=None, train=True, lr=cfg.sft.ar.lr)
+    raw["evals"]["hallucination"]["enabled"] = False
+    raw["evals"]["karvonen_confusion"]["enabled"] = False
+    return build_config(raw, "config")
+
+
+@dataclass
+class SftData:
+    job: object  # orchestrator.job.Job of the explained split: spec, tokenizer, rows, prompt table, FVE baseline
+    train_explanations: list[str]
+    eval_explanations: list[str]
+
+
+def _explanations(path: Path, row_ids) -> list[str]:
+    import pyarrow.parquet as pq
+
+    names = pq.ParquetFile(path).schema_arrow.names
+    if "explanation" not in names:
+        raise NlaInputError(path, "no 'explanation' column: the SFT stages read the explained splits that "
+                                  "`nla-grpo data explain SPLITS_DIR` writes")
+    column = pq.read_table(path, columns=["explanation"]).column("explanation").to_pylist()
+    out = []
+    for r in row_ids:
+        text = column[int(r)]
+        if not isinstance(text, str) or not text.strip():
+            raise NlaInputError(path, f"row {int(r)}, column 'explanation': expected a non-empty string, found {text!r}")
+        out.append(text)
+    return out
+
+
+def load_data(cfg, stage: str, log=print) -> SftData:
+    """The explained split checked as training data is (``orchestrator.job.prepare_job``), with its
+    explanations; a split of another model or layer than the RL data's is refused."""
+    from orchestrator.job import prepare_job
+    from shared.spec import load_spec, sidecar_path
+
+    path = explained_split(cfg, stage)
+    if not path.is_file():
+        raise NlaInputError(path, f"explained split not found (sft.{stage}.data): write it with `nla-grpo data explain`")
+    scfg = stage_config(cfg, stage)
+    split_spec = load_spec(sidecar_path(path))
+    rl_sidecar = Path(cfg.data.sidecar or sidecar_path(cfg.data.parquet))
+    if rl_sidecar.is_file():
+        rl_spec = load_spec(rl_sidecar)
+        for key in ("layer_index", "d_model"):
+            if getattr(split_spec, key) != getattr(rl_spec, key):
+                raise NlaInputError(split_spec.path, f"{key}: the split has {getattr(split_spec, key)!r}, the RL data "
+                                                     f"({rl_sidecar}) has {getattr(rl_spec, key)!r}: both stages must read "
+                                                     "activations of the same model and layer")
+    job = prepare_job(scfg, log=log)
+    return SftData(job, _explanations(path, job.train.row_ids), _explanations(path, job.eval.row_ids))
+
+
+# ---- the ranks ------------------------------------------------------------------------------------
+def start_ranks(cfg, stage: str, spec):
+    """The stage's data-parallel ranks (``placement.learner_workers`` for AV, ``critic_workers`` for AR),
+    one GPU each off the CPU (one node's GPUs together where one node has them all)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from orchestrator.groups import RankGroup
+    from orchestrator.placement import _largest_node_gpus
+    from sft.actors import ArSftActor, AvSftActor
+    from shared.actors import remote
+
+    actor = remote(AvSftActor if stage == "av" else ArSftActor)
+    n = cfg.placement.learner_workers if stage == "av" else cfg.placement.critic_workers
+    group = type(f"{stage}SftGroup", (RankGroup,), {"name": STAGE_NAME[stage]})
+    if cfg.placement.mode == "cpu":
+        return group([actor.options(num_cpus=0, num_gpus=0).remote(cfg, spec, "cpu") for _ in range(n)], "gloo"), []
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if have < n:
+        raise RuntimeError(f"{STAGE_NAME[stage]} with {n} rank(s) needs {n} GPU(s), the Ray cluster has {have}")
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="STRICT_PACK" if _largest_node_gpus() >= n else "PACK")
+    ray.get(pg.ready())
+    actors = [actor.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=i)).remote(cfg, spec, "cuda") for i in range(n)]
+    return group(actors, "nccl"), [pg]
+
+
+def stop_ranks(group, placement_groups) -> None:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for a in (group.actors if group is not None else []):
+        try:
+            ray.kill(a)
+        except Exception:  # already dead
+            pass
+    for pg in placement_groups:
+        remove_placement_group(pg)
+
+
+# ---- resume -----------------------------------------------------------------------------------------
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_resume(ckpt: Path, cfg, stage: str, data: SftData) -> int:
+    """The checkpoint's step, after refusing (one line naming the field) a config or data it was not written with."""
+    state = json.loads((ckpt / "state.json").read_text())
+    if state.get("stage") != stage:
+        raise NlaInputError(ckpt / "state.json", f"stage: the checkpoint is {state.get('stage')!r}'s, this is {stage!r}")
+    now, then = _flat(cfg.model_dump(mode="json")), _flat(state.get("config", {}))
+    for key in sorted(set(now) | set(then)):
+        if key.startswith(DEPENDS[stage]) and now.get(key) != then.get(key):
+            raise NlaInputError(ckpt / "state.json", f"{key}: {then.get(key)!r} when the checkpoint was written, "
+                                                     f"{now.get(key)!r} now; a resumed stage continues exactly")
+    if state.get("data") != data.job.data_fingerprint:
+        raise NlaInputError(ckpt / "state.json", "the explained split differs from the one the checkpoint was trained on")
+    return int(state["step"])
+
+
+# ---- the stage --------------------------------------------------------------------------------------
+class _Rows:
+    """Per training / eval row, what a step hands the ranks."""
+
+    def __init__(self, stage: str, data: SftData, cfg):
+        from rollout.engine import stop_token_ids
+        from sft.plan import response_ids
+
+        job = data.job
+        self.stage = stage
+        if stage == "av":
+            stops = stop_token_ids(cfg.model.path, job.tokenizer, cfg.rollout.extra_stop_tokens)
+
+            def rows(rl_rows, index, texts):
+                prompts = [job.prompt_ids[int(k)] for k in index]
+                responses = [response_ids(job.tokenizer, t, cfg.rollout.prefill, stops) for t in texts]
+                return prompts, responses, rl_rows.activations
+
+            self.train = rows(job.train, job.prompt_index_train, data.train_explanations)
+            self.eval = rows(job.eval, job.prompt_index_eval, data.eval_explanations)
+            self.lengths = [len(p[0]) + len(r) for p, r in zip(self.train[0], self.train[1])]
+        else:
+            from shared.prompts import render_critic_ids, start_token
+
+            add_bos = cfg.critic.add_bos
+            bos = start_token(job.tokenizer) if add_bos is None else (job.tokenizer.bos_token_id if add_bos else None)
+            self.train = (data.train_explanations, job.train.activations)
+            self.eval = (data.eval_explanations, job.eval.activations)
+            self.lengths = [len(render_critic_ids(job.tokenizer, job.spec.ar_template, t, bos)) for t in data.train_explanations]
+
+    def args(self, which, idx) -> tuple:
+        part = self.train if which == "train" else self.eval
+        if self.stage == "av":
+            prompts, responses, vectors = part
+            return ([prompts[i][0] for i in idx], [prompts[i][1] for i in idx], [responses[i] for i in idx], vectors[idx])
+        texts, vectors = part
+        return [texts[i] for i in idx], vectors[idx]
+
+
+def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, group, resume_from: Path | None, log=print) -> dict:
+    import numpy as np
+
+    from sft.plan import StepBatches, lr_at, total_steps
+    from shared.fileio import write_json
+
+    s = getattr(cfg.sft, stage)
+    job = data.job
+    name = STAGE_NAME[stage]
+
+    # ---- the rows of every step ---------------------------------------------------------------------
+    rows = _Rows(stage, data, cfg)
+    batches = StepBatches(rows.lengths, s.batch_tokens, cfg.seed)
+    total = total_steps(s.steps, s.epochs, batches.per_epoch)
+    eval_idx = np.arange(min(s.eval_rows, len(job.eval)))
+    log(f"[{stage}] {name}: {len(job.train)} training rows ({sum(rows.lengths)} tokens, {batches.per_epoch} batches of "
+        f">= {s.batch_tokens} tokens per epoch), {total} steps; eval on {len(eval_idx)} held-out rows")
+
+    def evaluate(step: int) -> dict:
+        if not len(eval_idx):
+            return {}
+        out = group._each("evaluate", *rows.args("eval", eval_idx))[0]
+        if stage == "av":
+            return {"eval/nll": out["nll"], "eval/tokens": out["tokens"]}
+        from shared.schema import fve
+
+        return {"eval/mse": out["mse"], "eval/fve": fve(out["mse"], job.fve_baseline), "eval/scored": out["scored"]}
+
+    def checkpoint(step: int) -> None:
+        tmp = run.checkpoint_tmp(step)
+        group.save(str(tmp / "model"))
+        write_json(tmp / "state.json", {"stage": stage, "step": step, "config": cfg.model_dump(mode="json"),
+                                        "data": job.data_fingerprint})
+        run.commit_checkpoint(tmp, step, cfg.checkpointing.keep_last)
+
+    # ---- resume or start ----------------------------------------------------------------------------
+    start = 0
+    if resume_from is not None:
+        start = check_resume(resume_from, cfg, stage, data)
+        group._each("load", str(resume_from / "model"))
+        run.truncate_logs(start + 1)
+        log(f"[resume] {name} from {resume_from.name} (step {start} of {total})")
+    else:
+        first = {"step": 0, **evaluate(0)}
+        run.append_metrics(first)
+        log(f"[{stage}] step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in first.items() if k in ("eval/nll", "eval/fve")))
+
+    # ---- the loop: one batch, one optimiser step ----------------------------------------------------
+    t_run = time.time()
+    last: dict = {}
+    for step in range(start, total):
+        epoch, idx = batches.batch(step)
+        lr = lr_at(step, total, s.lr, s.warmup_steps, s.schedule)
+        t0 = time.perf_counter()
+        out = group._each("sft_step", *rows.args("train", np.asarray(idx)), lr)[0]
+        seconds = time.perf_counter() - t0
+        done = step + 1
+        row = {"step": done, "epoch": epoch, "lr": lr, "loss": out["loss"], "grad_norm": out["grad_norm"],
+               "skipped": out["skipped"], "rows": len(idx), "tokens": sum(rows.lengths[i] for i in idx),
+               "time/step": seconds, "sft/tokens_per_s": sum(rows.lengths[i] for i in idx) / seconds,
+               "sft/tflops_executed": out["tflops_executed"], "wall_s": time.time() - t_run}
+        if (s.eval_every and done % s.eval_every == 0) or done == total:
+            row.update(evaluate(done))
+        run.append_metrics(row)
+        last = row
+        if done % cfg.logging.every == 0 or done == total or "eval/nll" in row or "eval/fve" in row:
+            extra = "".join(f", {k} {row[k]:.4f}" for k in ("eval/nll", "eval/fve") if k in row)
+            log(f"[{stage}] step {done}/{total}: loss {row['loss']:.4f}, lr {lr:.2e}, {row['sft/tokens_per_s']:.0f} tokens/s"
+                + extra)
+        if (s.checkpoint_every and done % s.checkpoint_every == 0) or done == total:
+            checkpoint(done)
+
+    # ---- the product --------------------------------------------------------------------------------
+    # atomic: a finished product is replaced whole (a longer run over a finished one), never half-written
+    group._all([group.leader.export.remote(str(run.product))])
+    log(f"[{stage}] wrote {run.product}")
+    return last
