@@ -7,7 +7,8 @@ document always gets the same ones), and at each the residual stream after block
 documents sorted by length. A row per position: ``prompt`` (the AV template with ``<INJECT>``),
 ``activation_vector`` (FixedSizeList<float32, d>), ``doc_id``, ``activation_layer``, ``n_raw_tokens``
 (document tokens up to and including the position: the vector is the residual at token index
-``n_raw_tokens - 1``) and ``detokenized_text_truncated`` (the text up to the position). Documents go
+``n_raw_tokens - 1``), ``detokenized_text_truncated`` (the text up to the position) and
+``activation_token`` (that token decoded, which the explanation stage marks in the text). Documents go
 to splits by a hash of ``doc_id``, so the splits are disjoint by construction.
 
 Streaming and resumable: the corpus is read in chunks of ``chunk_docs`` documents; each chunk's rows
@@ -180,7 +181,8 @@ def _schema(d: int):
 
     msg = pa.struct([("role", pa.string()), ("content", pa.string())])
     return pa.schema([("prompt", pa.list_(msg)), ("activation_vector", pa.list_(pa.float32(), d)), ("doc_id", pa.string()),
-                      ("activation_layer", pa.int64()), ("n_raw_tokens", pa.int64()), ("detokenized_text_truncated", pa.string())])
+                      ("activation_layer", pa.int64()), ("n_raw_tokens", pa.int64()), ("detokenized_text_truncated", pa.string()),
+                      ("activation_token", pa.string())])
 
 
 def _table(rows: list[dict], d: int, prompt):
@@ -195,6 +197,7 @@ def _table(rows: list[dict], d: int, prompt):
         "activation_layer": pa.array([r["layer"] for r in rows], type=pa.int64()),
         "n_raw_tokens": pa.array([r["n_raw_tokens"] for r in rows], type=pa.int64()),
         "detokenized_text_truncated": pa.array([r["text"] for r in rows], type=pa.string()),
+        "activation_token": pa.array([r["token"] for r in rows], type=pa.string()),
     }, schema=schema)
 
 
@@ -290,7 +293,8 @@ def run_chunks(job: ChunkJob, worker: int, workers: int, stop_after: int | None 
             split = split_of(doc_id, job.shares, job.seed)
             for p, vec in found[k]:
                 end = offsets[p][1] if offsets[p][1] else offsets[p - 1][1] if p else 0
-                rows[split].append({"doc_id": doc_id, "vector": vec, "layer": job.layer, "n_raw_tokens": p + 1, "text": text[:end]})
+                rows[split].append({"doc_id": doc_id, "vector": vec, "layer": job.layer, "n_raw_tokens": p + 1, "text": text[:end],
+                                    "token": tok.decode([ids[p]])})
         for name in job.shares:  # each part appears whole or not at all, and the marker after all of them
             tmp = work / name / f".part-{c:06d}.tmp"
             pq.write_table(_table(rows[name], job.d_model, prompt), tmp, write_page_checksum=True)

@@ -4,8 +4,8 @@
 - ``model/``: Qwen3 (hidden 64, 2 layers, head_dim 32, fp32, tied embeddings, initializer_range 0.2,
   which a tiny model needs to be trainable at all) with a tokenizer that has Qwen-style chat tokens,
   the marker character and its neighbour tokens;
-- ``rl.parquet`` + ``rl.parquet.nla_meta.yaml`` in the official NLA format, and ``topics.json``
-  (each row's topic, for tests). Documents are generated from four topics and run through the model;
+- ``rl.parquet`` + ``rl.parquet.nla_meta.yaml`` in the official NLA format, ``topics.json``
+  (each row's topic, for tests) and ``corpus.jsonl`` (the documents, for ``nla-grpo data extract``). Documents are generated from four topics and run through the model;
   each topic's direction is extracted from its documents' residual stream after block
   ``layer_index``, and a row's activation is its topic's direction plus noise. A single random tiny
   model's per-token residuals are dominated by context and barely cluster; this keeps the extraction
@@ -212,6 +212,8 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         texts = [" ".join(d[2]) for d in docs for _ in range(ROWS_PER_DOC)]
         write_rl_parquet(tmp / "rl.parquet", [prompt] * len(doc_ids), acts, doc_ids, texts=texts)
         (tmp / "topics.json").write_text(json.dumps(topics))
+        # the same documents as a corpus, for the pipeline's own extraction (deploy/pipeline-tiny.yaml)
+        (tmp / "corpus.jsonl").write_text("".join(json.dumps({"doc_id": d[0], "text": " ".join(d[2])}) + "\n" for d in docs))
         write_confusion_records(tmp / "karvonen_confusion.jsonl", prompt, acts, topics, doc_ids)
         marker_id = tok.convert_tokens_to_ids(MARKER)
         embed_norm = float(torch.linalg.vector_norm(model.get_input_embeddings().weight.detach(), dim=-1).mean())

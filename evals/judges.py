@@ -1,5 +1,6 @@
 """LLM judges behind HTTP: OpenAI-compatible chat completions (a local `vllm serve`, OpenAI) and
-Anthropic's Messages API, through httpx.
+Anthropic's Messages API, through ``evals.chat_client.ChatClient`` (shared with the teacher of
+``data explain``).
 
 One interface, ``Judge.ask_many(prompts) -> [Verdict]``: temperature 0, bounded concurrency, a timeout
 per request, retries with exponential backoff on timeouts, connection errors, 429 and 5xx. A reply is
@@ -12,18 +13,11 @@ errors carry the status and the server's message with the key masked out.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shared.errors import NlaInputError
-
-DEFAULT_URLS = {"openai": "http://127.0.0.1:18001/v1", "anthropic": "https://api.anthropic.com"}
-DEFAULT_CONCURRENCY = {"openai": 8, "anthropic": 1}
-ANTHROPIC_VERSION = "2023-06-01"
-RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+from evals.chat_client import ANTHROPIC_VERSION, DEFAULT_CONCURRENCY, DEFAULT_URLS, RETRY_STATUS, ChatClient  # noqa: F401
 
 
 @dataclass
@@ -63,117 +57,37 @@ def parse_json_reply(text: str | None) -> dict | None:
 
 
 class Judge:
-    """A judge of ``evals.judge``; ``key`` from the environment variable it names."""
+    """A judge of ``evals.judge``; ``key`` from the environment variable it names. The HTTP side is a
+    ``ChatClient``; this layer asks at temperature 0 and reads the reply as one JSON object."""
 
     def __init__(self, cfg, sleep=time.sleep):
-        import httpx
-
         self.cfg = cfg
-        self.backend = cfg.backend
-        self.base_url = (cfg.base_url or DEFAULT_URLS[cfg.backend]).rstrip("/")
-        self.concurrency = cfg.concurrency or DEFAULT_CONCURRENCY[cfg.backend]
-        self._key = None
-        if cfg.api_key_env is not None:
-            self._key = (os.environ.get(cfg.api_key_env) or "").strip()  # a key read from a CRLF .env file ends in \r
-            if not self._key:
-                raise NlaInputError("evals.judge.api_key_env", f"the environment variable {cfg.api_key_env} is not set "
-                                                               "(export the judge's key there)")
-            if any(c.isspace() or not c.isprintable() for c in self._key):
-                raise NlaInputError("evals.judge.api_key_env", f"the key in {cfg.api_key_env} holds whitespace or control "
-                                                               "characters, which no HTTP header can carry")
-        self._sleep = sleep
-        self._client = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=self._headers())
+        self._chat = ChatClient(cfg.backend, cfg.base_url, cfg.model, api_key_env=cfg.api_key_env,
+                                concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, retries=cfg.retries,
+                                max_tokens=cfg.max_tokens, temperature=0.0, where="evals.judge", role="judge", sleep=sleep)
+        self.backend, self.base_url, self.concurrency = self._chat.backend, self._chat.base_url, self._chat.concurrency
+        self._key = self._chat._key
 
-    def _headers(self) -> dict:
-        if self.backend == "anthropic":
-            h = {"anthropic-version": ANTHROPIC_VERSION, "content-type": "application/json"}
-            if self._key:
-                h["x-api-key"] = self._key
-            return h
-        return {"Authorization": f"Bearer {self._key}"} if self._key else {}
-
-    def _masked(self, text: str, limit: int = 300) -> str:
-        """``text`` with the key masked out, then cut (never the other way: a cut could split the key)."""
-        if self._key:
-            for form in (self._key, repr(self._key)[1:-1], repr(self._key.encode())[2:-1]):
-                text = text.replace(form, "***")
-        return text[:limit]
-
-    # ---- one request ----
-    def _request(self, system: str, user: str) -> tuple[str, dict]:
-        if self.backend == "anthropic":
-            return f"{self.base_url}/v1/messages", {
-                "model": self.cfg.model, "max_tokens": self.cfg.max_tokens, "temperature": 0.0, "system": system,
-                "messages": [{"role": "user", "content": user}]}
-        return f"{self.base_url}/chat/completions", {
-            "model": self.cfg.model, "max_tokens": self.cfg.max_tokens, "temperature": 0.0,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-
-    def _text(self, body: dict) -> str | None:
-        try:
-            if self.backend == "anthropic":
-                return "".join(part.get("text", "") for part in body["content"] if part.get("type") == "text")
-            return body["choices"][0]["message"]["content"]
-        except (KeyError, IndexError, TypeError, AttributeError):
-            return None
+    @staticmethod
+    def _verdict(reply) -> Verdict:
+        if reply.error is not None:
+            return Verdict(None, reply.error)
+        parsed = parse_json_reply(reply.text)
+        if parsed is None:
+            return Verdict(None, "no JSON object in the judge's reply", raw=reply.text)
+        return Verdict(parsed, raw=reply.text)
 
     def ask(self, system: str, user: str) -> Verdict:
         """One judged prompt, with retries; never raises for what the server or network does."""
-        import httpx
-
-        url, payload = self._request(system, user)
-        error = "no attempt"
-        for attempt in range(self.cfg.retries + 1):
-            if attempt:
-                self._sleep(min(30.0, 0.5 * 2 ** (attempt - 1)))
-            try:
-                res = self._client.post(url, json=payload)
-            except httpx.TimeoutException:
-                error = f"timeout after {self.cfg.timeout_s:g} s"
-                continue
-            except httpx.HTTPError as exc:
-                error = self._masked(f"{type(exc).__name__}: {exc}")
-                continue
-            if res.status_code in RETRY_STATUS:
-                error = self._masked(f"HTTP {res.status_code}: {res.text}")
-                continue
-            if res.status_code != 200:
-                return Verdict(None, self._masked(f"HTTP {res.status_code}: {res.text}"))
-            try:
-                text = self._text(res.json())
-            except ValueError:
-                return Verdict(None, "the reply is not JSON")
-            reply = parse_json_reply(text)
-            if reply is None:
-                return Verdict(None, "no JSON object in the judge's reply", raw=text)
-            return Verdict(reply, raw=text)
-        return Verdict(None, f"{error} ({self.cfg.retries + 1} attempts)")
+        return self._verdict(self._chat.chat(system, user))
 
     def ask_many(self, prompts: list[tuple[str, str]]) -> list[Verdict]:
         """``(system, user)`` prompts judged ``concurrency`` at a time, verdicts in prompt order."""
-        if not prompts:
-            return []
-        pool = ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts)))
-        try:
-            return list(pool.map(lambda p: self.ask(*p), prompts))
-        finally:  # Ctrl-C or SIGTERM: the queued requests are dropped, not waited for
-            pool.shutdown(wait=False, cancel_futures=True)
+        return [self._verdict(r) for r in self._chat.chat_many(prompts)] if prompts else []
 
     def check(self) -> None:
         """Before training starts: the server answers (one line naming it and the cause otherwise)."""
-        import httpx
-
-        url = f"{self.base_url}/v1/models" if self.backend == "anthropic" else f"{self.base_url}/models"
-        try:
-            res = self._client.get(url)
-        except httpx.HTTPError as exc:
-            raise NlaInputError("evals.judge", f"{self.backend} judge at {self.base_url} does not answer "
-                                               f"({self._masked(f'{type(exc).__name__}: {exc}')})") from None
-        if res.status_code in (401, 403):
-            raise NlaInputError("evals.judge", f"{self.backend} judge at {self.base_url} refuses the key "
-                                               f"(HTTP {res.status_code}; key from {self.cfg.api_key_env})")
-        if res.status_code >= 500:
-            raise NlaInputError("evals.judge", f"{self.backend} judge at {self.base_url} fails (HTTP {res.status_code})")
+        self._chat.check()
 
     def close(self) -> None:
-        self._client.close()
+        self._chat.close()
