@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("config")
     _add_overrides(cc, "override a config field")
 
-    dsub = _group(sub, "data", "datasets: build the tiny fixture, check a parquet")
+    dsub = _group(sub, "data", "datasets: the tiny fixture, activations from a corpus, teacher explanations, checks")
     dt = dsub.add_parser("tiny", help="write a tiny Qwen3, tokenizer, RL parquet and sidecar")
     dt.add_argument("out_dir")
     dt.add_argument("--seed", type=int, default=0)
@@ -53,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--injection-char", default="※", help="the marker character (one token in the tokenizer)")
     de.add_argument("--injection-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
     de.add_argument("--mse-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
+    from dataprep.explain import add_arguments as explain_arguments
+
+    explain_arguments(dsub.add_parser("explain", help="a teacher LLM's explanation for every row of the av_sft and ar_sft "
+                                                      "splits -> <split>.explained.parquet (resumable)"))
     dc = dsub.add_parser("check", help="validate an RL parquet against its sidecar and tokenizer")
     dc.add_argument("parquet")
     dc.add_argument("--sidecar", help="sidecar YAML (default <parquet>.nla_meta.yaml)")
@@ -86,6 +90,12 @@ def _parser() -> argparse.ArgumentParser:
     ir.add_argument("--config", required=True, help="the run config to continue with (see deploy/reference-compatible.yaml)")
     ir.add_argument("--run-dir", required=True, help="the new run directory")
     _add_overrides(ir, "override a config field")
+
+    pp = sub.add_parser("pipeline", help="corpus -> extract -> explain -> sft av -> sft ar -> train, each stage skipped "
+                        "when its output is there and valid (deploy/pipeline-*.yaml)")
+    pp.add_argument("pipeline", help="pipeline YAML (see deploy/pipeline-tiny.yaml)")
+    pp.add_argument("--run-dir", required=True, help="every stage's output goes under this directory")
+    _add_overrides(pp, "override a pipeline field, e.g. explain.base_url=http://127.0.0.1:8000/v1")
 
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
     pl.add_argument("run_dir")
@@ -354,6 +364,10 @@ def main(argv=None) -> int:
             print(f"next: nla-grpo data check {written.get('rl', args.out)} && nla-grpo train CONFIG.yaml "
                   f"--set data.parquet={written.get('rl', args.out)} --set model.path={args.model}")
             return 0
+        if args.cmd == "data" and args.data_cmd == "explain":
+            from dataprep.explain import run as explain
+
+            return explain(args, log=lambda m: print(m, flush=True))
         if args.cmd == "data" and args.data_cmd == "check":
             return _data_check(args)
         if args.cmd == "train":
@@ -377,6 +391,10 @@ def main(argv=None) -> int:
 
             import_run(args.iter_dir, args.av_sft, args.config, args.run_dir, args.set, log=lambda m: print(m, flush=True))
             return 0
+        if args.cmd == "pipeline":
+            from orchestrator.pipeline import run_pipeline
+
+            return run_pipeline(args.pipeline, args.run_dir, args.set)
         if args.cmd == "plot":
             from orchestrator.plot import write_plots
 
