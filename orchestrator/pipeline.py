@@ -131,6 +131,10 @@ def _valid_split(parquet: Path) -> bool:
 
 def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) -> int:
     cfg, here = load_pipeline(path, overrides)
+    for field in ("base_url", "model"):  # before anything is written
+        if not getattr(cfg.explain, field):
+            raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
+                                            f"(--set explain.{field}=...)")
     out = Path(run_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -143,10 +147,6 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     def rel(p):
         return str((here / p).resolve()) if p and not Path(p).is_absolute() else p
 
-    for field in ("base_url", "model"):
-        if not getattr(cfg.explain, field):
-            raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
-                                            f"(--set explain.{field}=...)")
     # ---- the subject model and the corpus ---------------------------------------------------------
     if cfg.tiny_fixture:
         tiny = out / "tiny"

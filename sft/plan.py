@@ -13,8 +13,8 @@ import numpy as np
 
 def epoch_batches(lengths, batch_tokens: int, seed: int, epoch: int) -> list[list[int]]:
     """One pass over the rows in a seeded order, cut into batches of whole rows holding at least
-    ``batch_tokens`` tokens each (a row longer than the budget is a batch of its own); the last,
-    short batch of the pass is kept, so every row is seen once per epoch."""
+    ``batch_tokens`` tokens each (a batch closes with the row that reaches the budget); the last, short
+    batch of the pass is kept, so every row is seen once per epoch."""
     order = np.random.default_rng([int(seed), int(epoch)]).permutation(len(lengths))
     batches, current, tokens = [], [], 0
     for i in order.tolist():

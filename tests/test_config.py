@@ -18,6 +18,12 @@ def test_deploy_configs_validate():
     for path in sorted((ROOT / "deploy").glob("*.yaml")):
         if path.name.startswith("runtime-env"):
             continue
+        if path.name.startswith("pipeline-"):  # a pipeline: its run config with its overrides must validate too
+            from orchestrator.pipeline import load_pipeline
+
+            pipe, here = load_pipeline(path, [])
+            load_config(here / pipe.config, pipe.set)
+            continue
         load_config(path)
 
 
