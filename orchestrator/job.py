@@ -178,9 +178,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         adapter = getattr(cfg.learner, field)
         if adapter is not None:
             from shared.model_checks import check_adapter_dir
-            from shared.injection import check_adapter_injection
+            from shared.injection import check_adapter_injection, check_adapter_sft
 
             check_adapter_injection(adapter, cfg, log)
+            check_adapter_sft(adapter, cfg, spec, f"learner.{field}")
             check_adapter_dir(adapter, model_dir, f"learner.{field}")
     tok = load_tokenizer(model_dir)
     validate_against_tokenizer(spec, tok)

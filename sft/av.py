@@ -78,6 +78,14 @@ class AvSftLearner(Learner):
         """The trained adapter alone, as ``learner.adapter_init`` takes it: PEFT files + the injection record."""
         from shared.fileio import atomic_directory
 
+        from shared.fileio import write_json
+        from shared.injection import SFT_RECORD
+
         with atomic_directory(directory) as tmp:
             self._save_adapter(POLICY, tmp, mkdir=False)
+            lc = self.cfg.learner
+            # what an RL run must agree with to start from this adapter (shared.injection.check_adapter_sft)
+            write_json(tmp / SFT_RECORD, {"stage": "av", "lora_r": lc.lora_r, "lora_alpha": lc.lora_alpha,
+                                          "use_rslora": lc.use_rslora, "layer_index": self.spec.layer_index,
+                                          "d_model": self.spec.d_model})
         return str(directory)

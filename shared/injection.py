@@ -159,3 +159,33 @@ def check_adapter_injection(adapter_dir, cfg, log=print) -> None:
             field = {"mode": "injection.mode", "layer": "injection.karvonen_layer", "scale": "injection.scale"}[key]
             raise NlaInputError(path, f"{key}: the adapter was trained with {got.get(key)!r}, this run has {field} "
                                       f"{want[key]!r}")
+
+
+# ---- what an AV-SFT adapter was trained as -------------------------------------------------------
+SFT_RECORD = "nla_sft.json"
+
+
+def check_adapter_sft(adapter_dir, cfg, spec, field: str) -> None:
+    """An adapter ``nla-grpo sft av`` wrote records its LoRA shape and the activations it read; an RL run
+    whose learner or data differ from them is refused in one line naming the field (others, e.g. the
+    reference trainer's adapters, carry no record and bring their own shape)."""
+    import json
+    from pathlib import Path
+
+    from shared.errors import NlaInputError
+
+    path = Path(adapter_dir) / SFT_RECORD
+    if not path.is_file():
+        return
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise NlaInputError(path, "not valid JSON") from None
+    for key in ("lora_r", "lora_alpha", "use_rslora"):
+        if key in got and got[key] != getattr(cfg.learner, key):
+            raise NlaInputError(path, f"{key}: the adapter ({field}) was trained with {got[key]!r}, this run has "
+                                      f"learner.{key} {getattr(cfg.learner, key)!r} (set it to match)")
+    for key in ("layer_index", "d_model"):
+        if key in got and got[key] != getattr(spec, key):
+            raise NlaInputError(path, f"{key}: the adapter ({field}) was trained on activations with {key} {got[key]!r}, "
+                                      f"this run's data ({spec.path}) have {getattr(spec, key)!r}")

@@ -72,7 +72,8 @@ def test_av_sft_lowers_the_held_out_nll_and_rl_takes_its_adapter(straight_av, ti
     assert all(k in rows[-1] for k in ("loss", "lr", "grad_norm", "sft/tokens_per_s", "sft/tflops_executed"))
     assert (straight_av / "plots" / "curves.png").is_file()
     product = straight_av / "adapter"
-    assert {"adapter_model.safetensors", "adapter_config.json", "nla_injection.json"} <= {p.name for p in product.iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json", "nla_injection.json", "nla_sft.json"} <= {
+        p.name for p in product.iterdir()}
     # the RL config takes it as it is, as the policy's start and the KL reference
     res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *data_args(tiny_dir, explained),
                   "--set", f"learner.adapter_init={product}")
@@ -81,6 +82,10 @@ def test_av_sft_lowers_the_held_out_nll_and_rl_takes_its_adapter(straight_av, ti
     res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *data_args(tiny_dir, explained),
                   "--set", f"learner.adapter_init={product}", "--set", "injection.scale=2.5")
     assert res.returncode == 2 and "nla_injection.json" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # ... and under another LoRA rank than it has
+    res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *data_args(tiny_dir, explained),
+                  "--set", f"learner.adapter_init={product}", "--set", "learner.lora_r=16")
+    assert res.returncode == 2 and "lora_r" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
 
 def test_a_killed_av_sft_resumes_to_the_straight_runs_adapter(straight_av, tiny_dir, explained, tmp_path):
