@@ -5,7 +5,8 @@
   which a tiny model needs to be trainable at all) with a tokenizer that has Qwen-style chat tokens,
   the marker character and its neighbour tokens;
 - ``rl.parquet`` + ``rl.parquet.nla_meta.yaml`` in the official NLA format, ``topics.json``
-  (each row's topic, for tests) and ``corpus.jsonl`` (the documents, for ``nla-grpo data extract``). Documents are generated from four topics and run through the model;
+  (each row's topic, for tests), ``corpus.jsonl`` (the documents, for ``nla-grpo data extract``) and
+  ``subject/`` (the model with a quieter block 0: the tiny pipeline's subject, ``_write_subject``). Documents are generated from four topics and run through the model;
   each topic's direction is extracted from its documents' residual stream after block
   ``layer_index``, and a row's activation is its topic's direction plus noise. A single random tiny
   model's per-token residuals are dominated by context and barely cluster; this keeps the extraction
@@ -108,6 +109,31 @@ def build_model(vocab_size: int, eos_ids: list[int], pad_id: int, seed: int):
     return model
 
 
+SUBJECT_BLOCK0_WRITE = 0.1  # the subject model's block 0 writes into the residual stream at this scale
+
+
+def _write_subject(model, tokenizer, out: Path) -> None:
+    """``subject/``: the tiny model with block 0's two writes into the residual stream (attention output and
+    MLP down projection) scaled by ``SUBJECT_BLOCK0_WRITE``. The random model's own residual after block 0
+    is dominated by a context mix no short text describes (held-out FVE below 0 from its token, measured);
+    in this one it is mostly its token's embedding, which a few words name (held-out FVE 0.74 from the token
+    alone), so the pipeline's stages have something to learn from an extraction (deploy/pipeline-tiny.yaml)."""
+    import copy
+
+    import torch
+    from safetensors.torch import save_file
+
+    subject = copy.deepcopy(model)
+    block = subject.model.layers[0]
+    with torch.no_grad():
+        block.self_attn.o_proj.weight.mul_(SUBJECT_BLOCK0_WRITE)
+        block.mlp.down_proj.weight.mul_(SUBJECT_BLOCK0_WRITE)
+    subject.save_pretrained(out, safe_serialization=True)
+    state = {k: v.contiguous() for k, v in subject.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(out)
+
+
 def _residuals(model, tokenizer, docs, layer_index: int) -> np.ndarray:
     """Per document: the residual stream after block ``layer_index``, averaged over its tokens."""
     import torch
@@ -202,6 +228,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         save_file(state, str(mdir / "model.safetensors"), metadata={"format": "pt"})
         tok.save_pretrained(mdir)
+        _write_subject(model, tok, tmp / "subject")
         docs = _documents(rng, n_docs)
         residuals = _residuals(model, tok, docs, LAYER_INDEX)
         # ROWS_PER_DOC rows per document (independent noise), so the eval split has whole documents to hold out

@@ -1,7 +1,7 @@
 """``nla-grpo pipeline PIPELINE.yaml --run-dir DIR``: the four stages of an NLA, one after the other,
 each the very command a user would run by hand, with its output under DIR:
 
-    DIR/tiny/            the tiny model and corpus (``tiny_fixture: true`` only: ``data tiny``)
+    DIR/tiny/            the tiny fixture, its subject/ model and corpus (``tiny_fixture: true`` only: ``data tiny``)
     DIR/data/            ``data extract``: av_sft / ar_sft / rl parquets and sidecars; then ``data explain``:
                          av_sft.explained.parquet, ar_sft.explained.parquet
     DIR/sft_av/          ``sft av``: a run directory; its adapter/ is the RL run's learner.adapter_init
@@ -71,7 +71,7 @@ class PipelineConfig(_Section):
     set: list[str] = Field(default_factory=list)
     """Overrides of that config (key=value), applied before the pipeline's own paths."""
     tiny_fixture: bool = False
-    """Build the tiny model and its corpus (`nla-grpo data tiny`) under RUN_DIR/tiny and use them."""
+    """Build the tiny fixture (`nla-grpo data tiny`) under RUN_DIR/tiny and use its subject/ model and corpus.jsonl."""
     model: Optional[str] = None
     """The subject model's directory (relative to this file); ignored with tiny_fixture."""
     corpus: Optional[str] = None
@@ -150,11 +150,11 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     # ---- the subject model and the corpus ---------------------------------------------------------
     if cfg.tiny_fixture:
         tiny = out / "tiny"
-        if (tiny / "model" / "config.json").is_file() and (tiny / "corpus.jsonl").is_file():
+        if (tiny / "subject" / "config.json").is_file() and (tiny / "corpus.jsonl").is_file():
             print(f"[pipeline] tiny fixture: {tiny} is there, skipped", flush=True)
         else:
             _stage("tiny fixture", ["data", "tiny", str(tiny), "--seed", str(cfg.seed)])
-        model, corpus = str(tiny / "model"), str(tiny / "corpus.jsonl")
+        model, corpus = str(tiny / "subject"), str(tiny / "corpus.jsonl")  # dataprep.tiny: its block 0 writes softly
     else:
         if not cfg.model or not cfg.corpus:
             raise NlaInputError("pipeline", "model and corpus: both needed (or tiny_fixture: true)")

@@ -28,9 +28,10 @@ def expected_answer(user: str) -> str:
 
 class TeacherServer:
     def __init__(self, refuse: bool = False, status: int | None = None, chat_status: int | None = None,
-                 empty_first: bool = False, block_after: int | None = None, reply_fn=None):
+                 empty_first: bool = False, block_after: int | None = None, reply_fn=None, token_only: bool = False):
         self.refuse, self.status, self.chat_status, self.reply_fn = refuse, status, chat_status, reply_fn
         self.empty_first, self.block_after = empty_first, block_after
+        self.token_only = token_only  # answer the marked token alone (what a tiny verbaliser can learn to name)
         self.seen: dict[str, int] = {}
         self.answered: dict[str, int] = {}
         self.temperatures: list[float] = []
@@ -81,7 +82,8 @@ class TeacherServer:
                 elif server.empty_first and first:
                     text = ""
                 else:
-                    text = f"<explanation>{expected_answer(user)}</explanation>"
+                    answer = expected_answer(user)
+                    text = f"<explanation>{answer.split(' after ')[0] if server.token_only else answer}</explanation>"
                     with server.lock:
                         server.answered[user] = server.answered.get(user, 0) + 1
                 usage = {"prompt_tokens": len(user.split()), "completion_tokens": len(text.split()), "total_tokens": 0}
