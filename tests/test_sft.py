@@ -158,3 +158,30 @@ def test_bad_inputs_are_one_line_and_leave_no_run_directory(tiny_dir, explained,
                   "--set", "sft.av.batch_tokenz=3")
     _one_line(res, "sft.av.batch_tokenz", "unknown key")
     assert not run.exists()
+
+
+def test_two_ranks_train_what_one_rank_trains(tiny_dir, explained, tmp_path):
+    """Each stage's data-parallel rank group: two ranks deal a step's micro-batches between them and sum
+    the gradients, so they end where one rank ends, to fp32 rounding (one rank sums in fp32 as autograd
+    does, two in float64)."""
+    from safetensors.torch import load_file
+
+    from conftest import run_cli_together
+
+    common = ["sft", "av", ROOT / "deploy/tiny.yaml", *data_args(tiny_dir, explained), *AV, "--set", "learner.micro_batch=4"]
+    ar = ["sft", "ar", ROOT / "deploy/tiny.yaml", *data_args(tiny_dir, explained), "--set", "sft.ar.batch_tokens=512",
+          "--set", "sft.ar.lr=1e-3", "--set", "sft.ar.steps=6", "--set", "critic.micro_batch=4"]
+    runs = run_cli_together([*common, "--run-dir", tmp_path / "av1"],
+                            [*common, "--run-dir", tmp_path / "av2", "--set", "placement.learner_workers=2"], timeout=900)
+    runs += run_cli_together([*ar, "--run-dir", tmp_path / "ar1"],
+                             [*ar, "--run-dir", tmp_path / "ar2", "--set", "placement.critic_workers=2"], timeout=900)
+    for res in runs:
+        assert res.returncode == 0, res.stderr[-3000:]
+    a, b = _adapter(tmp_path / "av1"), _adapter(tmp_path / "av2")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-5
+    c, d = (load_file(str(tmp_path / r / "critic" / "critic_weights.safetensors")) for r in ("ar1", "ar2"))
+    assert c.keys() == d.keys() and max((c[k] - d[k]).abs().max().item() for k in c) <= 1e-5
+    for one, two in (("av1", "av2"), ("ar1", "ar2")):
+        x, y = _metrics(tmp_path / one), _metrics(tmp_path / two)
+        assert [r["step"] for r in x] == [r["step"] for r in y]
+        assert all(r["loss"] == pytest.approx(s["loss"], rel=1e-5) for r, s in zip(x, y) if "loss" in r)
