@@ -115,9 +115,12 @@ def summarise(steps: list[dict], tokens_all: int, per_token: int, n_params: int,
     sec = statistics.median(s["seconds"] for s in warm)
     executed = statistics.median(s["executed_tokens"] for s in warm)
     tflops = per_token * n_params * executed / sec / 1e12
+    # the stage's own count (sft/av.py, sft/ar.py: only the matmuls that run, where they run), the headline
+    stage = statistics.median(s["tflops_executed"] for s in warm)
     return {"step_s": sec, "tokens_per_s": tokens_all / sec, "executed_tokens": executed,
-            "executed_tflops": tflops, "mfu": tflops / peak if peak else float("nan"),
-            "flops_per_token": f"{per_token}*N", "n_params": n_params}
+            "executed_tflops": stage, "mfu": stage / peak if peak else float("nan"),
+            "tflops_all_weights": tflops, "mfu_all_weights": tflops / peak if peak else float("nan"),
+            "flops_per_token_all_weights": f"{per_token}*N", "n_params": n_params}
 
 
 def run_av(args, base_cfg, job, res, dump) -> None:

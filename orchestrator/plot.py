@@ -18,6 +18,24 @@ PANELS = [
     ("phase time (s)", ["time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep"]),
 ]
 
+# an SFT stage's run directory (``nla-grpo sft av|ar``): no rewards, a loss and a held-out eval
+SFT_PANELS = [
+    ("loss", ["loss"]),
+    ("held-out NLL (AV)", ["eval/nll"]),
+    ("held-out FVE (AR)", ["eval/fve"]),
+    ("learning rate", ["lr"]),
+    ("gradient norm", ["grad_norm"]),
+    ("tokens/s", ["sft/tokens_per_s"]),
+    ("executed TFLOP/s", ["sft/tflops_executed"]),
+    ("step time (s)", ["time/step"]),
+]
+
+
+def panels_for(rows: list[dict]) -> list:
+    """An SFT stage's panels for its metrics (a loss and a rate, no reward), the RL run's otherwise."""
+    sft = not any("reward_mean" in r for r in rows) and any("lr" in r for r in rows)
+    return SFT_PANELS if sft else PANELS
+
 
 def _smooth(ys, k):
     out, acc = [], []
@@ -47,7 +65,7 @@ def write_plots(run_dir: str | Path) -> Path:
         raise NlaInputError(run.plots, f"cannot write plots here: {exc.strerror or exc}") from None
     fig, axes = plt.subplots(2, 4, figsize=(18, 8))
     k = max(1, len(rows) // 25)
-    for ax, (title, keys) in zip(axes.flat, PANELS):
+    for ax, (title, keys) in zip(axes.flat, panels_for(rows)):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
             if not pts:

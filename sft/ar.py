@@ -23,7 +23,8 @@ class ArSftCritic(Critic):
         seconds = time.perf_counter() - t0
         ids = [x for x in self.encode(explanations) if x is not None]
         tokens = sum(len(x) for x in ids)
-        params = sum(p.numel() for n, p in self.model.named_parameters() if "lora_" not in n)
+        # N: the backbone's matmul weights (no LoRA, no embedding table: a lookup does no matmul)
+        params = sum(p.numel() for n, p in self.model.named_parameters() if "lora_" not in n and "embed_tokens" not in n)
         # executed FLOPs: 6·N per token when the whole backbone trains, 4·N with a LoRA (frozen base weights)
         per_token = 4 if self.meta.lora_r > 0 else 6
         return {"loss": out["critic_loss"], "grad_norm": out["critic_grad_norm"], "skipped": out["critic_skipped"],

@@ -59,10 +59,16 @@ class AvSftLearner(Learner):
         norm, skipped = self._optimizer_step(loss, len(items))
         _sync(self.device)
         seconds = time.perf_counter() - t0
-        # executed FLOPs: forward 2·N and backward 2·N per token the rows hold (the frozen base's weight
-        # gradients are never formed; the LoRA's are a rounding error next to N)
+        # executed FLOPs: forward 2 and backward-to-inputs 2 per weight per token (the frozen base's weight
+        # gradients are never formed; the LoRA's and attention's are a rounding error next to N): the decoder's
+        # N (no embedding table, a lookup, and no LM head) on every token the rows hold, the LM head's V·d on
+        # the predicted tokens only (the chunked head runs there alone)
+        emb = self.model.get_input_embeddings().weight
+        head = self.model.get_base_model().get_output_embeddings().weight
+        decoder = self.base_params - emb.numel() - (0 if head.data_ptr() == emb.data_ptr() else head.numel())
+        flops = 4 * decoder * executed + 4 * head.numel() * n_tokens
         return {"loss": loss, "grad_norm": norm, "skipped": skipped, "tokens": n_tokens, "executed_tokens": int(executed),
-                "seconds": seconds, "tflops_executed": 4 * self.base_params * executed / seconds / 1e12 if seconds else 0.0,
+                "seconds": seconds, "tflops_executed": flops / seconds / 1e12 if seconds else 0.0,
                 "micro_batch_tokens": self.micro_batch_tokens or 0}
 
     @torch.no_grad()

@@ -71,6 +71,10 @@ def test_av_sft_lowers_the_held_out_nll_and_rl_takes_its_adapter(straight_av, ti
     assert evals[-1] < 0.5 * evals[0], evals
     assert all(k in rows[-1] for k in ("loss", "lr", "grad_norm", "sft/tokens_per_s", "sft/tflops_executed"))
     assert (straight_av / "plots" / "curves.png").is_file()
+    from orchestrator.plot import SFT_PANELS, panels_for
+
+    assert panels_for(rows) is SFT_PANELS and all(any(k in r for r in rows for k in keys) for t, keys in SFT_PANELS
+                                                  if "AR" not in t)
     product = straight_av / "adapter"
     assert {"adapter_model.safetensors", "adapter_config.json", "nla_injection.json", "nla_sft.json"} <= {
         p.name for p in product.iterdir()}
