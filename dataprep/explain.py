@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from shared.errors import NlaInputError
+from shared.fileio import lock_directory
 
 PROMPT_VERSION = 1
 TEXT_COLUMN = "detokenized_text_truncated"
@@ -108,19 +109,6 @@ def parse_teacher_reply(text: str | None) -> str | None:
 
 
 # ---- the work directory ----
-def _lock(work: Path):
-    """An OS lock on the work directory: a second run on the same splits is one line."""
-    import fcntl
-
-    f = open(work / ".lock", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise NlaInputError(work.parent, "another `data explain` is running on this directory") from None
-    return f
-
-
 def _fingerprint(path: Path, rows: int) -> dict:
     """Size, row count and a hash of the first and last 64 KiB: a copy or a touch keeps it, new data does not."""
     size = path.stat().st_size
@@ -425,7 +413,7 @@ def _run(client, splits_dir: Path, todo: list[str], inputs: dict, model: str, ap
     work = splits_dir / WORK
     created = not work.exists()
     work.mkdir(exist_ok=True)
-    held = _lock(work)
+    held = lock_directory(work, "another `data explain` is running on this directory")
     usage = {}
     try:
         sources = {s: _fingerprint(inputs[s][0], inputs[s][2]) for s in todo}

@@ -31,23 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import NlaInputError
+from shared.fileio import lock_directory
 
 AV_TEMPLATE = "Describe the concept <concept>{injection_char}</concept> in a few words."
 AR_TEMPLATE = "Explanation: {explanation}\nReconstruct the concept."
 STATE = "state.json"
-
-
-def _lock(work: Path):
-    """An OS lock on the extraction directory: a second extraction into it is one line."""
-    import fcntl
-
-    f = open(work / ".lock", "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise NlaInputError(work.parent, "another extraction is writing into this directory") from None
-    return f
 
 
 def parse_splits(text: str) -> dict[str, float]:
@@ -404,7 +392,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     elif out.exists() and any(p.name != ".extract" for p in out.iterdir()):
         raise NlaInputError(out, "exists and is not empty (choose a new OUT_DIR)")
     (work / "done").mkdir(parents=True, exist_ok=True)
-    held = _lock(work)  # until the merge is done
+    held = lock_directory(work, "another extraction is writing into this directory")  # until the merge is done
     (work / ".state.tmp").write_text(json.dumps({"args": args}))
     (work / ".state.tmp").replace(state_path)
     done = {int(p.name.split("-")[1]) for p in (work / "done").glob("chunk-*")}

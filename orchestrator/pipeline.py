@@ -86,7 +86,7 @@ class PipelineConfig(_Section):
 def load_pipeline(path: str | Path, overrides: list[str]) -> tuple[PipelineConfig, Path]:
     from pydantic import ValidationError
 
-    from shared.config import _describe_error, parse_override, read_yaml
+    from shared.config import _describe_error, apply_overrides, read_yaml
 
     p = Path(path)
     if not p.is_file():
@@ -94,14 +94,7 @@ def load_pipeline(path: str | Path, overrides: list[str]) -> tuple[PipelineConfi
     raw = read_yaml(p.read_text(encoding="utf-8")) or {}
     if not isinstance(raw, dict):
         raise NlaInputError(p, "expected a mapping at the top level")
-    for item in overrides:
-        keys, value = parse_override(item)
-        node = raw
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise NlaInputError("--set", f"{'.'.join(keys)}: {k} is not a section")
-        node[keys[-1]] = value
+    raw = apply_overrides(raw, overrides)
     try:
         cfg = PipelineConfig.model_validate(raw)
     except ValidationError as exc:

@@ -600,12 +600,8 @@ def parse_override(item: str) -> tuple[list[str], object]:
     return parts, value
 
 
-def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -> RunConfig:
-    """Validate a raw mapping (plus overrides) into a RunConfig; errors name ``source`` and the field."""
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise NlaInputError(source, f"expected a mapping at the top level, found {type(raw).__name__}")
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """A copy of ``raw`` with each ``a.b=c`` override set (sections made where missing)."""
     raw = _deep_copy(raw)
     for item in overrides:
         parts, value = parse_override(item)
@@ -616,6 +612,16 @@ def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -
                 raise NlaInputError("--set", f"{'.'.join(parts)}: {p} is not a section")
             node = nxt
         node[parts[-1]] = value
+    return raw
+
+
+def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -> RunConfig:
+    """Validate a raw mapping (plus overrides) into a RunConfig; errors name ``source`` and the field."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise NlaInputError(source, f"expected a mapping at the top level, found {type(raw).__name__}")
+    raw = apply_overrides(raw, overrides)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:

@@ -123,6 +123,23 @@ def atomic_directory(target: str | Path):
         raise
 
 
+def lock_directory(work: str | Path, busy: str):
+    """Hold an OS lock on ``work/.lock`` (the returned file; closing it or exiting releases it); a second
+    holder is refused with ``busy`` as one line naming the directory's parent."""
+    import fcntl
+
+    from shared.errors import NlaInputError
+
+    work = Path(work)
+    f = open(work / ".lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise NlaInputError(work.parent, busy) from None
+    return f
+
+
 # ---- tensors ------------------------------------------------------------------------------------
 def cpu_copy(t):
     """A detached, contiguous CPU tensor that shares no storage with ``t`` (safetensors refuses shared storage)."""
