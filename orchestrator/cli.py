@@ -203,65 +203,15 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
-    from pathlib import Path
+    from sft.driver import run_sft
 
-    from orchestrator.job import absolute_paths
-    from shared.config import load_config
-    from shared.errors import NlaInputError
-    from orchestrator.run_dir import RunDir
-    from sft.driver import SftRunDir, load_data, run_stage, start_ranks, stop_ranks
-    from shared.ray_cluster import start_ray
-
-    stage = args.sft_cmd
-    steps = [f"sft.{stage}.steps={args.steps}"] if args.steps is not None else []
-    if (args.resume is None) == (args.config is None):
-        raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
-    if args.resume is not None:
-        if args.run_dir:
-            raise NlaInputError(f"sft {stage}", "--resume continues the stage in its own directory: no --run-dir with it")
-        run = SftRunDir(RunDir.open(args.resume).path, stage)
-        run.lock()
-        cfg = run.config(list(args.set) + steps)
-        resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
-    else:
-        cfg = absolute_paths(load_config(args.config, list(args.set) + steps), Path.cwd())
-        run_dir = args.run_dir or f"runs/{Path(args.config).stem}-sft-{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
-        SftRunDir.check_new(run_dir)
-        resume_from = None
-    data = load_data(cfg, stage, log=lambda m: print(m, flush=True))
-    if args.resume is None:
-        run = SftRunDir(RunDir.create(run_dir, cfg).path, stage)
-        run.lock()
-    else:
-        run.save_config(cfg)
-    print(f"[run] {run.path}", flush=True)
-    start_ray()
     _stop_on_signals()
-    group, pgs = None, []
-    try:
-        try:
-            group, pgs = start_ranks(cfg, stage, data.job.spec)
-            group.join()
-        except BaseException as exc:
-            from orchestrator.driver import startup_error
-
-            raise startup_error(exc) from None
-        last = run_stage(stage, cfg, run, data, group, resume_from, log=lambda m: print(m, flush=True))
-    except BaseException:
-        if resume_from is None and not run.list_checkpoints():
-            import shutil
-
-            shutil.rmtree(run.path, ignore_errors=True)  # a new stage that failed before its first checkpoint leaves nothing
-        raise
-    finally:
-        stop_ranks(group, pgs)
-    if run.read_metrics():
-        from orchestrator.plot import write_plots
-
-        print(f"[plot] {write_plots(run.path)}")
+    stage = args.sft_cmd
+    last = run_sft(stage, args.config, args.run_dir, args.resume, args.steps, args.set, log=lambda m: print(m, flush=True))
     key = "eval/nll" if stage == "av" else "eval/fve"
-    print(f"[done] {run.product}: step {last.get('step', '-')}, {key} {last.get(key, float('nan')):.4f}; use it with "
-          + (f"learner.adapter_init={run.product}" if stage == "av" else f"critic.checkpoint={run.product}"))
+    use = "learner.adapter_init" if stage == "av" else "critic.checkpoint"
+    print(f"[done] {last['product']}: step {last.get('step', '-')}, {key} {last.get(key, float('nan')):.4f}; "
+          f"use it with {use}={last['product']}")
     return 0
 
 
@@ -407,7 +357,9 @@ def main(argv=None) -> int:
         from orchestrator.driver import interrupted_by
 
         where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({interrupted_by(exc)})"
-        print(f"nla-grpo: error: {where}; a run continues from its last checkpoint with `nla-grpo train --resume RUN_DIR`",
+        again = {"sft": f"nla-grpo sft {getattr(args, 'sft_cmd', 'av')} --resume RUN_DIR",
+                 "pipeline": "the same `nla-grpo pipeline` command"}.get(args.cmd, "nla-grpo train --resume RUN_DIR")
+        print(f"nla-grpo: error: {where}; a run continues from its last checkpoint with {again if args.cmd == 'pipeline' else f'`{again}`'}",
               file=sys.stderr)
         return 143 if "SIGTERM" in where else 130
     except Exception as exc:

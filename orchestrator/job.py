@@ -25,6 +25,8 @@ def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
         "critic": cfg.critic.model_copy(update={"checkpoint": fix(cfg.critic.checkpoint)}),
         "learner": cfg.learner.model_copy(update={"adapter_init": fix(cfg.learner.adapter_init),
                                                   "reference_adapter": fix(cfg.learner.reference_adapter)}),
+        "sft": cfg.sft.model_copy(update={s: getattr(cfg.sft, s).model_copy(update={"data": fix(getattr(cfg.sft, s).data)})
+                                          for s in ("av", "ar")}),
     })
 
 

@@ -112,14 +112,17 @@ def _stage(name: str, argv: list[str]) -> None:
         raise SystemExit(rc)
 
 
-def _valid_split(parquet: Path) -> bool:
+def _split_problem(parquet: Path, model: str) -> str | None:
+    """Why an extracted split would not do (``data check``'s line), or None."""
+    import io
+
     from dataprep.check import check_dataset
 
     try:
-        check_dataset(str(parquet), out=open("/dev/null", "w"))
-    except NlaInputError:
-        return False
-    return True
+        check_dataset(str(parquet), model_dir=model, out=io.StringIO())
+    except NlaInputError as exc:
+        return str(exc)
+    return None
 
 
 def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) -> int:
@@ -156,7 +159,11 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     # ---- 1. activations ----------------------------------------------------------------------------
     data = out / "data"
     splits = [data / f"{s}.parquet" for s in ("av_sft", "ar_sft", "rl")]
-    if all(p.is_file() for p in splits) and not (data / ".extract").exists() and all(_valid_split(p) for p in splits):
+    if all(p.is_file() for p in splits) and not (data / ".extract").exists():
+        for p in splits:
+            problem = _split_problem(p, model)
+            if problem:
+                raise NlaInputError(data, f"holds splits that do not check valid ({problem}); remove it to extract again")
         print(f"[pipeline] extract: {data} is there and checks valid, skipped", flush=True)
     else:
         e = cfg.extract

@@ -152,58 +152,64 @@ def stop_ranks(group, placement_groups) -> None:
         remove_placement_group(pg)
 
 
-# ---- resume -----------------------------------------------------------------------------------------
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
+# ---- the plan: every row and step, checked before any actor starts -----------------------------------
+class StagePlan:
+    """The rows the stage trains and evaluates on, what each step hands the ranks, and the step count.
 
-
-def check_resume(ckpt: Path, cfg, stage: str, data: SftData) -> int:
-    """The checkpoint's step, after refusing (one line naming the field) a config or data it was not written with."""
-    state = json.loads((ckpt / "state.json").read_text())
-    if state.get("stage") != stage:
-        raise NlaInputError(ckpt / "state.json", f"stage: the checkpoint is {state.get('stage')!r}'s, this is {stage!r}")
-    now, then = _flat(cfg.model_dump(mode="json")), _flat(state.get("config", {}))
-    for key in sorted(set(now) | set(then)):
-        if key.startswith(DEPENDS[stage]) and now.get(key) != then.get(key):
-            raise NlaInputError(ckpt / "state.json", f"{key}: {then.get(key)!r} when the checkpoint was written, "
-                                                     f"{now.get(key)!r} now; a resumed stage continues exactly")
-    if state.get("data") != data.job.data_fingerprint:
-        raise NlaInputError(ckpt / "state.json", "the explained split differs from the one the checkpoint was trained on")
-    return int(state["step"])
-
-
-# ---- the stage --------------------------------------------------------------------------------------
-class _Rows:
-    """Per training / eval row, what a step hands the ranks."""
+    Rows a rollout or the critic could never produce are left out and counted: an AV response longer
+    than ``rollout.max_new_tokens`` (RL would cut it there, a failed rollout), an AR prompt longer than
+    ``critic.max_prompt_tokens`` (the critic scores it as failed)."""
 
     def __init__(self, stage: str, data: SftData, cfg):
-        from rollout.engine import stop_token_ids
-        from sft.plan import response_ids
+        import numpy as np
 
-        job = data.job
+        from sft.plan import StepBatches, total_steps
+
+        job, s = data.job, getattr(cfg.sft, stage)
         self.stage = stage
         if stage == "av":
+            from rollout.engine import stop_token_ids
+            from sft.plan import response_ids
+
             stops = stop_token_ids(cfg.model.path, job.tokenizer, cfg.rollout.extra_stop_tokens)
 
             def rows(rl_rows, index, texts):
                 prompts = [job.prompt_ids[int(k)] for k in index]
                 responses = [response_ids(job.tokenizer, t, cfg.rollout.prefill, stops) for t in texts]
-                return prompts, responses, rl_rows.activations
+                ok = [len(r) <= cfg.rollout.max_new_tokens for r in responses]
+                return (prompts, responses, rl_rows.activations), [len(p[0]) + len(r) for p, r in zip(prompts, responses)], ok
 
-            self.train = rows(job.train, job.prompt_index_train, data.train_explanations)
-            self.eval = rows(job.eval, job.prompt_index_eval, data.eval_explanations)
-            self.lengths = [len(p[0]) + len(r) for p, r in zip(self.train[0], self.train[1])]
+            self.train, lengths, ok = rows(job.train, job.prompt_index_train, data.train_explanations)
+            self.eval, _, eval_ok = rows(job.eval, job.prompt_index_eval, data.eval_explanations)
+            self.limit = f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
         else:
             from shared.prompts import render_critic_ids, start_token
 
             add_bos = cfg.critic.add_bos
             bos = start_token(job.tokenizer) if add_bos is None else (job.tokenizer.bos_token_id if add_bos else None)
-            self.train = (data.train_explanations, job.train.activations)
-            self.eval = (data.eval_explanations, job.eval.activations)
-            self.lengths = [len(render_critic_ids(job.tokenizer, job.spec.ar_template, t, bos)) for t in data.train_explanations]
+
+            def rows(rl_rows, texts):
+                n = [len(render_critic_ids(job.tokenizer, job.spec.ar_template, t, bos)) for t in texts]
+                return (texts, rl_rows.activations), n, [x <= cfg.critic.max_prompt_tokens for x in n]
+
+            self.train, lengths, ok = rows(job.train, data.train_explanations)
+            self.eval, _, eval_ok = rows(job.eval, data.eval_explanations)
+            self.limit = f"critic.max_prompt_tokens {cfg.critic.max_prompt_tokens}"
+        self.kept = np.flatnonzero(ok)  # training rows, by their index in the split's training part
+        self.dropped = len(ok) - len(self.kept)
+        if not len(self.kept):
+            raise NlaInputError(explained_split(cfg, stage), f"no training row fits {self.limit} (all {len(ok)} are longer)")
+        self.lengths = [lengths[i] for i in self.kept]
+        self.batches = StepBatches(self.lengths, s.batch_tokens, cfg.seed)
+        self.total = total_steps(s.steps, s.epochs, self.batches.per_epoch)
+        self.eval_idx = np.flatnonzero(eval_ok)[: s.eval_rows]
+
+    def step(self, step: int) -> tuple[int, "np.ndarray", int]:
+        """``(epoch, row indices, tokens)`` of optimiser step ``step``."""
+        import numpy as np
+
+        epoch, idx = self.batches.batch(step)
+        return epoch, self.kept[np.asarray(idx)], sum(self.lengths[i] for i in idx)
 
     def args(self, which, idx) -> tuple:
         part = self.train if which == "train" else self.eval
@@ -214,28 +220,71 @@ class _Rows:
         return [texts[i] for i in idx], vectors[idx]
 
 
-def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, group, resume_from: Path | None, log=print) -> dict:
+# ---- resume -----------------------------------------------------------------------------------------
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_stage(run: SftRunDir) -> None:
+    """A run directory of the other stage is named as such (before its checkpoints are looked for)."""
+    for ckpt in reversed(run.list_checkpoints()):
+        try:
+            got = json.loads((ckpt / "state.json").read_text()).get("stage")
+        except (OSError, ValueError):
+            continue
+        if got != run.stage:
+            raise NlaInputError(run.path, f"a run directory of `sft {got}`, not of `sft {run.stage}`")
+        return
+
+
+def check_resume(ckpt: Path, cfg, stage: str, data: SftData, total: int) -> int:
+    """The checkpoint's step, after refusing (one line naming the field) a config, data or step count the
+    stage cannot continue exactly with."""
+    where = ckpt / "state.json"
+    state = json.loads(where.read_text())
+    if state.get("stage") != stage:
+        raise NlaInputError(where, f"stage: the checkpoint is {state.get('stage')!r}'s, this is {stage!r}")
+    now, then = _flat(cfg.model_dump(mode="json")), _flat(state.get("config", {}))
+    for key in sorted(set(now) | set(then)):
+        if key.startswith(DEPENDS[stage]) and now.get(key) != then.get(key):
+            raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
+                                       "a resumed stage continues exactly")
+    if state.get("data") != data.job.data_fingerprint:
+        raise NlaInputError(where, "the explained split differs from the one the checkpoint was trained on")
+    step, planned = int(state["step"]), int(state.get("total", total))
+    if total < step:
+        raise NlaInputError(where, f"already at step {step}: sft.{stage}.steps {total} would go back (pass --steps N with N >= {step})")
+    schedule = getattr(cfg.sft, stage).schedule
+    if total != planned and schedule != "constant":
+        raise NlaInputError(where, f"sft.{stage}.steps: the {schedule} schedule was planned for {planned} steps; {total} "
+                                   "would follow another curve than either run (resume with the same count, or start a new "
+                                   "run; sft.{stage}.schedule: constant can be extended)".replace("{stage}", stage))
+    return step
+
+
+# ---- the loop -----------------------------------------------------------------------------------------
+def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, group, start: int,
+              resume_from: Path | None, log=print) -> dict:
+    import shutil
     import numpy as np
 
-    from sft.plan import StepBatches, lr_at, total_steps
+    from sft.plan import lr_at
     from shared.fileio import write_json
 
     s = getattr(cfg.sft, stage)
-    job = data.job
+    job, total = data.job, plan.total
     name = STAGE_NAME[stage]
+    log(f"[{stage}] {name}: {len(plan.kept)} training rows ({sum(plan.lengths)} tokens, {plan.batches.per_epoch} batches of "
+        f">= {s.batch_tokens} tokens per epoch), {total} steps; eval on {len(plan.eval_idx)} held-out rows"
+        + (f"; {plan.dropped} rows longer than {plan.limit} left out" if plan.dropped else ""))
 
-    # ---- the rows of every step ---------------------------------------------------------------------
-    rows = _Rows(stage, data, cfg)
-    batches = StepBatches(rows.lengths, s.batch_tokens, cfg.seed)
-    total = total_steps(s.steps, s.epochs, batches.per_epoch)
-    eval_idx = np.arange(min(s.eval_rows, len(job.eval)))
-    log(f"[{stage}] {name}: {len(job.train)} training rows ({sum(rows.lengths)} tokens, {batches.per_epoch} batches of "
-        f">= {s.batch_tokens} tokens per epoch), {total} steps; eval on {len(eval_idx)} held-out rows")
-
-    def evaluate(step: int) -> dict:
-        if not len(eval_idx):
+    def evaluate() -> dict:
+        if not len(plan.eval_idx):
             return {}
-        out = group._each("evaluate", *rows.args("eval", eval_idx))[0]
+        out = group._each("evaluate", *plan.args("eval", plan.eval_idx))[0]
         if stage == "av":
             return {"eval/nll": out["nll"], "eval/tokens": out["tokens"]}
         from shared.schema import fve
@@ -245,38 +294,38 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, group, resume_from
     def checkpoint(step: int) -> None:
         tmp = run.checkpoint_tmp(step)
         group.save(str(tmp / "model"))
-        write_json(tmp / "state.json", {"stage": stage, "step": step, "config": cfg.model_dump(mode="json"),
+        write_json(tmp / "state.json", {"stage": stage, "step": step, "total": total, "config": cfg.model_dump(mode="json"),
                                         "data": job.data_fingerprint})
         run.commit_checkpoint(tmp, step, cfg.checkpointing.keep_last)
 
     # ---- resume or start ----------------------------------------------------------------------------
-    start = 0
     if resume_from is not None:
-        start = check_resume(resume_from, cfg, stage, data)
         group._each("load", str(resume_from / "model"))
         run.truncate_logs(start + 1)
         log(f"[resume] {name} from {resume_from.name} (step {start} of {total})")
     else:
-        first = {"step": 0, **evaluate(0)}
+        run.truncate_logs(0)  # a resumed directory with no checkpoint yet: from the start
+        first = {"step": 0, **evaluate()}
         run.append_metrics(first)
         log(f"[{stage}] step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in first.items() if k in ("eval/nll", "eval/fve")))
+    if start < total and run.product.exists():
+        shutil.rmtree(run.product)  # training on: the finished product of a shorter run is no longer the stage's
 
     # ---- the loop: one batch, one optimiser step ----------------------------------------------------
     t_run = time.time()
     last: dict = {}
     for step in range(start, total):
-        epoch, idx = batches.batch(step)
+        epoch, idx, tokens = plan.step(step)
         lr = lr_at(step, total, s.lr, s.warmup_steps, s.schedule)
         t0 = time.perf_counter()
-        out = group._each("sft_step", *rows.args("train", np.asarray(idx)), lr)[0]
+        out = group._each("sft_step", *plan.args("train", np.asarray(idx)), lr)[0]
         seconds = time.perf_counter() - t0
         done = step + 1
         row = {"step": done, "epoch": epoch, "lr": lr, "loss": out["loss"], "grad_norm": out["grad_norm"],
-               "skipped": out["skipped"], "rows": len(idx), "tokens": sum(rows.lengths[i] for i in idx),
-               "time/step": seconds, "sft/tokens_per_s": sum(rows.lengths[i] for i in idx) / seconds,
-               "sft/tflops_executed": out["tflops_executed"], "wall_s": time.time() - t_run}
+               "skipped": out["skipped"], "rows": len(idx), "tokens": tokens, "time/step": seconds,
+               "sft/tokens_per_s": tokens / seconds, "sft/tflops_executed": out["tflops_executed"], "wall_s": time.time() - t_run}
         if (s.eval_every and done % s.eval_every == 0) or done == total:
-            row.update(evaluate(done))
+            row.update(evaluate())
         run.append_metrics(row)
         last = row
         if done % cfg.logging.every == 0 or done == total or "eval/nll" in row or "eval/fve" in row:
@@ -287,7 +336,83 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, group, resume_from
             checkpoint(done)
 
     # ---- the product --------------------------------------------------------------------------------
-    # atomic: a finished product is replaced whole (a longer run over a finished one), never half-written
+    # atomic: a finished product is replaced whole, never half-written
     group._all([group.leader.export.remote(str(run.product))])
     log(f"[{stage}] wrote {run.product}")
     return last
+
+
+# ---- the command --------------------------------------------------------------------------------------
+def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | None, steps: int | None,
+            overrides: list[str], log=print) -> dict:
+    """``nla-grpo sft av|ar``: a new stage in ``run_dir``, or the one in ``resume`` continued. Everything
+    that can be checked (config, data, the plan, a resume's agreement with its checkpoint) is checked
+    before any actor starts; a new run that fails before its first checkpoint leaves no directory."""
+    import shutil
+
+    from orchestrator.job import absolute_paths
+    from orchestrator.placement import check_run_dir_visible
+    from shared.config import load_config
+    from shared.ray_cluster import start_ray
+
+    sets = list(overrides) + ([f"sft.{stage}.steps={steps}"] if steps is not None else [])
+    if (resume is None) == (config is None):
+        raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
+    # ---- the run directory and its config ---------------------------------------------------------
+    if resume is not None:
+        if run_dir:
+            raise NlaInputError(f"sft {stage}", "--resume continues the stage in its own directory: no --run-dir with it")
+        run = SftRunDir(RunDir.open(resume).path, stage)
+        run.lock()
+        check_stage(run)
+        cfg = run.config(sets)
+        resume_from = run.loadable_checkpoint(log=log)
+        if resume_from is None:
+            log(f"[resume] {run.path} has no checkpoint yet: starting from step 0")
+    else:
+        cfg = absolute_paths(load_config(config, sets), Path.cwd())
+        run_dir = run_dir or f"runs/{Path(config).stem}-sft-{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+        RunDir.check_new(run_dir)
+        resume_from = None
+    # ---- the data and the plan --------------------------------------------------------------------
+    data = load_data(cfg, stage, log=log)
+    scfg = data.job.cfg  # what the ranks build from: a fresh adapter / critic (stage_config)
+    plan = StagePlan(stage, data, scfg)
+    start = check_resume(resume_from, scfg, stage, data, plan.total) if resume_from is not None else 0
+    if resume is None:
+        run = SftRunDir(RunDir.create(run_dir, cfg).path, stage)
+        run.lock()
+    else:
+        run.save_config(cfg)
+        if start == plan.total and run.product.is_dir():
+            log(f"[{stage}] {run.path} is at step {start} of {plan.total} and its product is written: nothing to do")
+            last = next((r for r in reversed(run.read_metrics()) if "loss" in r), {"step": start})
+            return dict(last, product=str(run.product))
+    log(f"[run] {run.path}")
+    # ---- the ranks ----------------------------------------------------------------------------------
+    group, pgs, failed = None, [], False
+    try:
+        start_ray()
+        check_run_dir_visible(run.path)
+        try:
+            group, pgs = start_ranks(scfg, stage, data.job.spec)
+            group.join()
+        except BaseException as exc:
+            from orchestrator.driver import startup_error
+
+            raise startup_error(exc) from None
+        last = run_stage(stage, scfg, run, data, plan, group, start, resume_from, log=log)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        stop_ranks(group, pgs)  # before anything is removed: no rank writes into a deleted directory
+        if failed and resume is None and not run.list_checkpoints():
+            shutil.rmtree(run.path, ignore_errors=True)  # a new stage that failed before its first checkpoint
+    from orchestrator.plot import write_plots
+
+    try:
+        log(f"[plot] {write_plots(run.path)}")
+    except NlaInputError as exc:  # the stage's own outcome matters more than its plot
+        log(f"[plot] not written: {exc}")
+    return dict(last, product=str(run.product))

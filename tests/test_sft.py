@@ -20,7 +20,9 @@ from conftest import ROOT, run_cli
 pytestmark = pytest.mark.slow
 
 AV = ["--set", "sft.av.batch_tokens=512", "--set", "sft.av.lr=1e-2", "--set", "sft.av.eval_every=4",
-      "--set", "sft.av.checkpoint_every=2", "--set", "sft.av.steps=8"]
+      "--set", "sft.av.checkpoint_every=2", "--set", "sft.av.steps=8",
+      # what the deploy configs hold: the RL run's paths to this stage's products, which a stage never starts from
+      "--set", "learner.adapter_init=/nonexistent/sft_av/adapter", "--set", "critic.checkpoint=/nonexistent/sft_ar/critic"]
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +115,24 @@ def test_a_killed_av_sft_resumes_to_the_straight_runs_adapter(straight_av, tiny_
     resumed = {r["step"]: r["loss"] for r in _metrics(run) if "loss" in r}
     assert resumed == straight  # one line per step, none twice, the same losses
 
+    # a finished stage: the same count is nothing to do; fewer steps, a changed field or a longer cosine
+    # schedule are refused in one line, and the run directory's config stays as it was
+    config = (run / "config.yaml").read_text()
+    res = run_cli("sft", "av", "--resume", run, "--steps", "8")
+    assert res.returncode == 0 and "nothing to do" in res.stdout, res.stderr[-2000:]
+    for extra, words in ((["--steps", "4"], ("already at step 8",)), (["--set", "sft.av.lr=0.5"], ("sft.av.lr", "exactly")),
+                         (["--steps", "12"], ("cosine", "planned for 8"))):
+        res = run_cli("sft", "av", "--resume", run, *extra)
+        _one_line(res, *words)
+        assert (run / "config.yaml").read_text() == config
+    res = run_cli("sft", "ar", "--resume", run)
+    _one_line(res, "sft av")
+
 
 def test_ar_sft_beats_the_fve_baseline_on_held_out_documents_and_rl_takes_it(tiny_dir, explained, tmp_path):
     run = tmp_path / "ar"
     res = run_cli("sft", "ar", ROOT / "deploy/tiny.yaml", "--run-dir", run, *data_args(tiny_dir, explained),
+                  "--set", "critic.checkpoint=/nonexistent/sft_ar/critic",
                   "--set", "sft.ar.batch_tokens=512", "--set", "sft.ar.lr=1e-3", "--set", "sft.ar.steps=30",
                   "--set", "sft.ar.eval_every=0", timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
