@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, run_cli, run_cli_together
 from teacher_server import TeacherServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the whole pipeline runs in the first test
 
 WINDOW = 25
 

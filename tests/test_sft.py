@@ -17,7 +17,7 @@ import yaml
 
 from conftest import ROOT, run_cli
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 AV = ["--set", "sft.av.batch_tokens=512", "--set", "sft.av.lr=1e-2", "--set", "sft.av.eval_every=4",
       "--set", "sft.av.checkpoint_every=2", "--set", "sft.av.steps=8",
