@@ -204,7 +204,7 @@ class StagePlan:
         self.total = total_steps(s.steps, s.epochs, self.batches.per_epoch)
         self.eval_idx = np.flatnonzero(eval_ok)[: s.eval_rows]
 
-    def step(self, step: int) -> tuple[int, "np.ndarray", int]:
+    def step(self, step: int) -> tuple:
         """``(epoch, row indices, tokens)`` of optimiser step ``step``."""
         import numpy as np
 

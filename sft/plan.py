@@ -84,11 +84,8 @@ def response_text(explanation: str, prefill: str) -> str:
     """What the verbaliser should write for ``explanation``: the ``<explanation>`` form the rollout's
     extraction reads, less the prefill the prompt already ends with."""
     text = f"<explanation>{explanation.strip()}</explanation>"
-    if prefill and text.startswith(prefill):
-        return text[len(prefill):]
-    if prefill:
-        return text  # a prefill that is not the tag's start: the model writes the whole answer after it
-    return text
+    # a prefill that is not the tag's start: the model writes the whole answer after it
+    return text[len(prefill):] if prefill and text.startswith(prefill) else text
 
 
 def response_ids(tokenizer, explanation: str, prefill: str, stop_ids: list[int]) -> list[int]:
