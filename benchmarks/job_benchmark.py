@@ -14,6 +14,10 @@ update sees non-zero advantages, as in a real step.
     python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
     python benchmarks/job_benchmark.py --placement split --overlap --route broadcast --out benchmarks/h200x2-job-split-overlap.json
     python benchmarks/job_benchmark.py --placement colocated --injection karvonen --out benchmarks/h200-job-colocated-karvonen.json
+    python benchmarks/job_benchmark.py --placement colocated --prompts 256 --steps 4 --out benchmarks/h200-job-colocated-256x8.json
+
+vLLM's share of the GPU and its batch are the config's ``auto`` (``rollout.engine_plan``) unless
+``--vllm-mem`` names a share.
 
 ``--reference JSON`` (a ``step_benchmark.py`` result from the same machine) adds the ratio against
 its reference-style step.
@@ -78,13 +82,14 @@ def job_config(root: Path, args) -> dict:
                   "quantization": args.quantization},
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
-                    "cap_is_failure": False, "gpu_memory_utilization": 0.85 if split else args.vllm_mem,
-                    "max_num_seqs": max(64, args.prompts * args.group), "max_loras": 2,
+                    "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
+                    "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching,
                     "sleep_during_update": args.sleep},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": args.optimizer},
-        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap},
+        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap,
+                 "tis_cap": args.tis_cap},
         "placement": {"mode": args.placement, "learner_gpus": 1},
         "weight_sync": {"kind": args.route},
         "injection": {"mode": args.injection},
@@ -113,6 +118,10 @@ def main() -> int:
                     help="qwen3-32b: 64 blocks, hidden 5120, written pre-quantised in NF4 (needs --quantization nf4 and its own --workdir)")
     ap.add_argument("--quantization", choices=["none", "nf4"], default="none",
                     help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="rollout.prefix_caching false: every sample prefills its own prompt (the earlier figures)")
+    ap.add_argument("--tis-cap", type=float, default=None, help="grpo.tis_cap (token-level truncated importance sampling)")
+    ap.set_defaults(vllm_mem="auto")
     args = ap.parse_args()
     reference = None
     if args.reference:
@@ -135,7 +144,8 @@ def main() -> int:
     root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, args.prompts, args.prompt_len, seed=0,
                                         nf4=args.shape == "qwen3-32b")
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
-           + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}"))
+           + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
+           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else ""))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"

@@ -45,6 +45,9 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_l
 DEVICE = "cuda"
 
 
+DATA_ROWS = 256  # rows of the benchmark parquet (at least --prompts): enough for the 256 x 8 batch
+
+
 def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len: int, seed: int, nf4: bool = False) -> Path:
     """Model dir (random bf16 weights + small tokenizer), RL parquet and sidecar under ``root``; ``nf4``:
     the weights written pre-quantised (``nf4_checkpoint.py``: a 32B shape does not fit the disk in bf16)."""
@@ -56,15 +59,22 @@ def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len
     from dataprep.tiny import AV_TEMPLATE, AR_TEMPLATE, CONCEPT_CLOSE, CONCEPT_OPEN, MARKER, build_tokenizer, write_rl_parquet
 
     mdir = root / "model"
+    rows = max(prompts, DATA_ROWS)
     if (root / "rl.parquet.nla_meta.yaml").is_file():
-        return root
+        import pyarrow.parquet as pq
+
+        if pq.ParquetFile(root / "rl.parquet").metadata.num_rows >= rows:
+            return root
+        (root / "rl.parquet.nla_meta.yaml").unlink()  # too few rows for this batch: the data again, the model kept
     rng = np.random.default_rng(seed)
     tok = build_tokenizer(rng)
     eos = [tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")]
     cfg = Qwen3Config(**{**shape, "num_hidden_layers": layers}, eos_token_id=eos[0], pad_token_id=eos[1],
                       bos_token_id=None, dtype="bfloat16")
     torch.manual_seed(seed)
-    if nf4:
+    if (mdir / "config.json").is_file():
+        pass
+    elif nf4:
         from nf4_checkpoint import write_random_nf4
 
         write_random_nf4(mdir, cfg, device=DEVICE, seed=seed)
@@ -90,9 +100,9 @@ def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len
         content = content[: content.rfind(" ")]
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": content.replace("<INJECT>", MARKER)}],
                                                  tokenize=False, add_generation_prompt=True, enable_thinking=False), add_special_tokens=False)
-    acts = rng.standard_normal((prompts, cfg.hidden_size)).astype(np.float32)
-    write_rl_parquet(root / "rl.parquet", [[{"role": "user", "content": content}]] * prompts, acts,
-                     [f"doc-{i}" for i in range(prompts)])
+    acts = rng.standard_normal((rows, cfg.hidden_size)).astype(np.float32)
+    write_rl_parquet(root / "rl.parquet", [[{"role": "user", "content": content}]] * rows, acts,
+                     [f"doc-{i}" for i in range(rows)])
     meta = {
         "kind": "nla_dataset", "schema_version": 2, "stage": "rl", "base_model": "model",
         "extraction": {"d_model": cfg.hidden_size, "layer_index": min(24, layers - 1), "injection_scale": "embed_norm", "mse_scale": "sqrt_d_model"},
@@ -137,6 +147,10 @@ def micro_batch_arg(text: str):
     return text if text == "auto" else int(text)
 
 
+def vllm_mem_arg(value: str):
+    return value if value == "auto" else float(value)
+
+
 def add_workload_args(ap, steps: int) -> None:
     """The workload options both GPU benchmarks share (the issue's workload by default)."""
     ap.add_argument("--workdir", default="/tmp/nla-bench")
@@ -149,7 +163,7 @@ def add_workload_args(ap, steps: int) -> None:
     ap.add_argument("--lora-r", type=int, default=128)
     ap.add_argument("--micro-batch", type=micro_batch_arg, default="auto", help="learner.micro_batch: samples, or auto")
     ap.add_argument("--steps", type=int, default=steps, help="steps timed (the first warms up)")
-    ap.add_argument("--vllm-mem", type=float, default=0.35, help="vLLM's share of the GPU when it shares one")
+    ap.add_argument("--vllm-mem", type=vllm_mem_arg, default=0.35, help="vLLM's share of the GPU when it shares one, or auto")
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
-"""GRPO maths as pure tensor functions: group advantages, the clipped-surrogate + k3 loss, and the
-rollout/learner logprob mismatch.
+"""GRPO maths as pure tensor functions: group advantages, the clipped-surrogate + k3 loss, the
+truncated importance weights, and the rollout/learner logprob mismatch.
 
 Shapes: ``N`` samples, ``T`` response tokens padded to the longest; ``mask[N, T]`` is True on real
 tokens. Values under a False mask may be anything (padding, -inf): they are replaced before any
@@ -42,13 +42,29 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, x, torch.zeros_like(x)).sum(dim=-1) / count.clamp_min(1).to(x.dtype)
 
 
-def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04):
+def tis_weights(learner_logp, rollout_logp, mask, cap: float) -> torch.Tensor:
+    """Token-level truncated importance weights ``min(exp(learner - rollout), cap)`` (constants).
+
+    ``learner`` is the learner's logprob of the sampled token before the step, ``rollout`` the engine's:
+    the weight corrects the gradient for tokens the engine sampled under a slightly different policy
+    (another kernel, merged weights, one step behind), and the cap bounds its variance. Off the mask,
+    and where either logprob is not finite, the weight is 1.
+    """
+    mask = mask.bool()
+    a, b = learner_logp.detach().float(), rollout_logp.detach().float()
+    ok = mask & torch.isfinite(a) & torch.isfinite(b)
+    d = torch.where(ok, a - b, torch.zeros_like(a))
+    return torch.where(ok, torch.exp(d).clamp(max=cap), torch.ones_like(a))
+
+
+def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04,
+                          token_weights=None):
     """Per-sample ``(loss[N], kl[N], clip_frac[N], has_tokens[N])`` of the GRPO objective.
 
-    Per token: ``-(min(r·A, clip(r, 1-ε, 1+ε)·A) - β·k3)`` with ``r = exp(new - old)`` and
-    ``k3 = exp(ref - new) - (ref - new) - 1``; each is averaged over the sample's own tokens.
-    ``old`` and ``ref`` are treated as constants. Samples without tokens get zeros and
-    ``has_tokens`` False; callers average over the others.
+    Per token: ``-(w·min(r·A, clip(r, 1-ε, 1+ε)·A) - β·k3)`` with ``r = exp(new - old)``,
+    ``k3 = exp(ref - new) - (ref - new) - 1`` and ``w`` the ``token_weights`` (``tis_weights``; 1 when
+    None); each is averaged over the sample's own tokens. ``old``, ``ref`` and ``w`` are treated as
+    constants. Samples without tokens get zeros and ``has_tokens`` False; callers average over the others.
     """
     mask = mask.bool()
     zero = torch.zeros((), dtype=new_logp.dtype, device=new_logp.device)
@@ -61,6 +77,8 @@ def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_e
     ratio = torch.exp(new - old)
     clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps)
     surrogate = torch.minimum(ratio * adv, clipped * adv)
+    if token_weights is not None:
+        surrogate = surrogate * torch.where(mask, token_weights.detach().to(new.dtype), zero)
     kl = k3(ref, new)
     per_token = -(surrogate - kl_beta * kl)
 
@@ -74,7 +92,7 @@ def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_e
 
 
 def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 0.2, kl_beta: float = 0.04,
-              sample_mask=None, denominator: int | None = None):
+              sample_mask=None, denominator: int | None = None, token_weights=None):
     """GRPO loss over a batch: per token, mean over each sample's mask, mean over samples with >= 1 token.
 
     Returns ``(loss, metrics)``; ``metrics['kl_mean']`` and ``metrics['clip_frac']`` are per-sample
@@ -84,9 +102,11 @@ def grpo_loss(new_logp, old_logp, ref_logp, advantages, mask, clip_eps: float = 
 
     For a micro-batch of a larger batch: ``sample_mask[N]`` leaves samples out (as if absent) and
     ``denominator`` replaces the count of samples the sum is divided by, so that the micro-batches'
-    losses (and gradients) add up to the whole batch's when it is the batch's count.
+    losses (and gradients) add up to the whole batch's when it is the batch's count. ``token_weights``:
+    see ``per_sample_grpo_terms``.
     """
-    loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps, kl_beta)
+    loss_n, kl_n, clip_n, has = per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_eps, kl_beta,
+                                                      token_weights)
     use = has if sample_mask is None else has & sample_mask.to(has.device).bool()
     n = int(use.sum())
     if n == 0:

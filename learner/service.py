@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from learner.grpo import grpo_loss, logprob_mismatch
+from learner.grpo import grpo_loss, logprob_mismatch, tis_weights
 from learner.policy import POLICY, REFERENCE, Policy
 from shared.collective import GradientSums
 
@@ -239,6 +239,7 @@ class Learner:
         g = self.cfg.grpo
         n = len(items)  # every rank holds the whole batch and runs its share of the micro-batches
         kept, loss_sum, kl_sum, clip_sum = 0, 0.0, 0.0, 0.0
+        tis_sum, tis_capped, tis_tokens = 0.0, 0, 0
         decide = keep is None
         keep = list(keep) if keep is not None else [True] * n
         mm_abs, mm_k3 = [0.0] * n, [0.0] * n
@@ -264,11 +265,24 @@ class Learner:
                         mm_abs[i], mm_k3[i] = x, y
                         keep[i] = math.isfinite(y) and y <= self.cfg.learner.mismatch_mask_k3
                 row_keep = torch.tensor([keep[i] for i in idx], device=self.device)
+                weights = None
+                if g.tis_cap is not None:
+                    # the ratio against the learner's own logprobs before the step (this forward's, at one
+                    # epoch), the engine's sampling corrected by the truncated weight
+                    rollout = _padded([it.rollout_logp for it in chunk], T, self.device)
+                    if decide:
+                        old_lp = new_lp.detach()
+                    weights = tis_weights(old_lp, rollout, mask, g.tis_cap)
+                    on = mask & row_keep.reshape(-1, 1)
+                    tis_sum += float(weights[on].sum())
+                    tis_capped += int((weights[on] >= g.tis_cap).sum())
+                    tis_tokens += int(on.sum())
                 # a masked row still sits in the graph: a non-finite old logprob there would turn its
                 # zero upstream gradient into NaN (0 * NaN) for the whole step
                 old_lp = torch.where(torch.isfinite(old_lp), old_lp, new_lp.detach())
                 # each micro-batch's loss over the batch's sample count: their gradients add up to the batch's
-                loss, m = grpo_loss(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta, sample_mask=row_keep, denominator=n)
+                loss, m = grpo_loss(new_lp, old_lp, ref_lp, adv, mask, g.clip_eps, g.kl_beta, sample_mask=row_keep,
+                                    denominator=n, token_weights=weights)
                 if m["samples"]:
                     loss.backward()
                     sums.add()
@@ -295,6 +309,10 @@ class Learner:
         if decide:
             mm_abs_sum, mm_k3_sum = self.dp.sum_values([sum(mm_abs), sum(mm_k3)], self.device)
             out["mismatch"] = (mm_abs_sum / n, mm_k3_sum / n)
+        if g.tis_cap is not None:
+            tis_sum, tis_capped, tis_tokens = self.dp.sum_values([tis_sum, tis_capped, tis_tokens], self.device)
+            out["tis/weight_mean"] = tis_sum / max(tis_tokens, 1)
+            out["tis/capped_frac"] = tis_capped / max(tis_tokens, 1)
         return out
 
     def _optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
@@ -378,6 +396,7 @@ class Learner:
             "learner/tokens_per_s": tokens * ran / seconds,
             "learner/tflops": flops / seconds / 1e12,
             "learner/micro_batch_tokens": self.micro_batch_tokens or 0,
+            **{k: v for k, v in stats.items() if k.startswith("tis/")},
         }
 
     # ---- export and checkpoints ------------------------------------------------------------------

@@ -268,7 +268,7 @@ def _run_services(job, run, resume_from) -> int:
     try:
         try:
             asked = time.time()
-            services = start_services(cfg, job.spec)
+            services = start_services(job.services_config(), job.spec)
             services.asked_at = asked
         except BaseException as exc:
             from orchestrator.driver import startup_error

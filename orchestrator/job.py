@@ -46,6 +46,14 @@ class Job:
     evals: list = dataclass_field(default_factory=list)  # the judged evals with their fixed items (evals.tasks)
     judge: object = None  # evals.judges.Judge, made and checked before any actor starts
 
+    def services_config(self) -> RunConfig:
+        """The config the actors get: the run's, with ``rollout.max_prompt_tokens`` (when unset) the longest
+        prompt of the data, so an engine plans its batch and KV cache for the prompts it will see."""
+        if self.cfg.rollout.max_prompt_tokens is not None or not self.prompt_ids:
+            return self.cfg
+        longest = max(len(ids) for ids, _ in self.prompt_ids)
+        return self.cfg.model_copy(update={"rollout": self.cfg.rollout.model_copy(update={"max_prompt_tokens": longest})})
+
 
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
 # (the data's content is checked by its fingerprint instead)

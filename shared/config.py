@@ -125,10 +125,16 @@ class RolloutConfig(_Section):
     """vLLM data-parallel replicas, fed round-robin."""
     tensor_parallel_size: int = Field(1, ge=1, le=16)
     """vLLM tensor-parallel size per engine."""
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=0.98)
-    """Share of each rollout GPU vLLM may take (keep small when colocated)."""
-    max_num_seqs: int = Field(256, ge=1, le=4096)
-    """vLLM scheduler batch limit."""
+    gpu_memory_utilization: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=0.98)]] = "auto"
+    """Share of each rollout GPU vLLM may take; auto = colocated, the weights plus the KV cache one step's batch
+    needs (rollout.engine_plan), the rest left to the learner; on a GPU of its own, 0.9."""
+    max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
+    """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch."""
+    prefix_caching: bool = True
+    """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
+    embeddings, so prompts with other vectors never share); the cache is emptied before each generate call."""
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    """Longest AV prompt the engine plans its KV cache for; None = the training data's longest (set at start)."""
     enforce_eager: bool = False
     """Skip CUDA graphs / compilation (faster start, slower decode)."""
     kv_cache_mb: int = Field(64, ge=8, le=1 << 20)
@@ -246,6 +252,11 @@ class GrpoConfig(_Section):
     """Added to the per-prompt std in the advantage."""
     overlap_rollout: bool = False
     """Generate step k+1 (with adapter v_k, one step off-policy) while the learner updates on step k."""
+    tis_cap: Optional[float] = Field(None, gt=1.0, le=100.0)
+    """Token-level truncated importance sampling: each token's surrogate weighted by min(p_learner/p_rollout, cap),
+    the PPO ratio then taken against the learner's own logprobs before the step; None = off (ratio against the
+    rollout's logprobs); 2 is the usual cap. For rollouts whose numerics differ from the learner's (rollout.lora
+    merged) or one step behind (overlap_rollout)."""
 
 
 class PlacementConfig(_Section):

@@ -2,10 +2,12 @@
 
 - ``tiny_requests``: ``PromptRequest``s rendered from the tiny dataset exactly as the driver does;
 - ``random_adapter_update``: a PEFT LoRA on the model with random non-zero ``lora_B`` (fixed seed),
-  exported as the learner exports it (``get_peft_model_state_dict`` names, ``LoraConfig.to_dict()``).
+  exported as the learner exports it (``get_peft_model_state_dict`` names, ``LoraConfig.to_dict()``);
+- ``twin_batch``, ``cache_hits``, ``hits_per_request``, ``expected_hits``: what vLLM's prefix cache shares.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from shared.types import AdapterUpdate, PromptRequest
@@ -108,3 +110,50 @@ def vectors_of(samples, requests):
     """Each sample's activation, looked up from the request with its row id."""
     by_row = {r.row_id: r.vector for r in requests}
     return [by_row[s.row_id] for s in samples]
+
+
+# ---- prefix caching: what the cache gave each request (tests/test_rollout_prefix_cache.py, tests/test_gpu.py) ----
+def cache_hits(engine) -> dict:
+    """Request id -> prompt tokens the prefix cache gave it, recorded from the in-process scheduler."""
+    from rollout.vllm_compat import in_process_scheduler
+
+    manager = in_process_scheduler(engine.llm).kv_cache_manager
+    hits, lookup = {}, manager.get_computed_blocks
+
+    def recording(request):
+        out = lookup(request)
+        hits[request.request_id] = int(out[1])
+        return out
+
+    manager.get_computed_blocks = recording
+    return hits
+
+
+def twin_batch(tiny_dir, engine, block: int):
+    """Request 0, its twin (request 0's token ids with request 1's vector) and request 0 again under
+    another row id, in one call."""
+    reqs = tiny_requests(tiny_dir / "rl.parquet", engine.spec, engine.tokenizer, 2, prefill=engine.cfg.rollout.prefill)
+    first = reqs[0]
+    assert len(first.prompt_ids) // block * block > first.site  # the marker sits in a full (cached) block
+    twin = dataclasses.replace(first, row_id=98, vector=reqs[1].vector)
+    again = dataclasses.replace(first, row_id=99)
+    return [first, twin, again]
+
+
+def hits_per_request(hits: dict) -> list[int]:
+    """Cached prompt tokens summed over each request's samples, in request order (vLLM names a
+    sample ``<index>_<request id>-<suffix>``; an ``LLM`` numbers its requests from 0 in order)."""
+    total: dict[int, int] = {}
+    for rid, n in hits.items():
+        parent = int(rid.split("_", 1)[1].split("-")[0])
+        total[parent] = total.get(parent, 0) + n
+    return [total[k] for k in sorted(total)]
+
+
+def expected_hits(first, group_size: int, block: int) -> list[int]:
+    """What ``hits_per_request`` must be for ``twin_batch``: request 0's later samples take its full prompt
+    blocks; the twin's first sample only the blocks before the marker's (the same rows, KV that no vector
+    reaches), its later samples their own group's; request 0 again takes request 0's, every sample."""
+    full = len(first.prompt_ids) // block * block
+    before = first.site // block * block
+    return [(group_size - 1) * full, before + (group_size - 1) * full, group_size * full]

@@ -324,3 +324,50 @@ def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
                     f"weight_sync.kind={route}", "logging.eval_every=10")
     assert rows[-1]["adapter_version"] == 21
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3
+
+
+@pytest.mark.parametrize("mode", ["embed", "karvonen"])
+def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode, monkeypatch):
+    """vLLM 0.26's prefix cache with prompt embeddings (16-token blocks): a group's samples share their
+    prompt, a twin prompt (same ids, another vector) shares only the blocks before the marker and matches
+    the learner as every sample does; with the embeddings' hash keys switched off it would not."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core import kv_cache_utils
+
+    from learner.service import Learner
+    from rollout.vllm_engine import VllmEngine
+    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch, vectors_of
+
+    block = 16
+    spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
+    base = tiny_config(tiny_bf16_dir, injection, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
+                       max_num_seqs=32, engine_options={"enforce_eager": True, "block_size": block})
+    raw = base.model_dump(mode="python")
+    raw["model"]["dtype"] = "bfloat16"
+    raw["placement"]["mode"] = "colocated"
+    raw["critic"]["lora_r"] = 8
+    cfg = build_config(raw, "gpu-test")
+    learner = Learner(cfg, spec, "cuda")
+    engine = VllmEngine(cfg, spec, "cuda")
+
+    def twin_mismatch(samples, batch):
+        G = cfg.rollout.group_size
+        twin = samples[G:2 * G]
+        ours = learner.logprobs(twin, torch.stack([torch.as_tensor(v) for v in vectors_of(twin, batch)]))
+        return torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(twin, ours)]).abs().mean().item()
+
+    try:
+        assert engine.prefix_caching
+        engine.load_adapter(learner.export_adapter(device="same"))
+        batch = twin_batch(tiny_bf16_dir, engine, block)
+        hits = cache_hits(engine)
+        samples = engine.generate(batch, seed=3)
+        assert hits_per_request(hits) == expected_hits(batch[0], cfg.rollout.group_size, block), hits
+        safe = twin_mismatch(samples, batch)
+        monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", lambda *a, **k: [])
+        unsafe = twin_mismatch(engine.generate(batch, seed=3), batch)
+        print(f"{mode}: twin mean |dlogp| {safe:.2e} with the embeddings' keys, {unsafe:.2e} without")
+        assert safe < 0.05 and unsafe > 10 * safe
+    finally:
+        engine.close()

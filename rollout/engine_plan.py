@@ -1,0 +1,108 @@
+"""How big a vLLM engine is made for one step's batch: scheduler limits, CUDA-graph sizes, KV reservation.
+
+Pure functions of the run config and the model's shape, so the sizes can be tested without an engine:
+
+- ``max_num_seqs: auto``: every sample an engine gets in one step runs in one decode batch
+  (``prompts_per_step × group_size / num_engines``, rounded up to 16).
+- CUDA graphs cover the decode batch: vLLM's own capture list stops at ``min(2·max_num_seqs, 512)``,
+  so a 1,024-sample decode ran without graphs; here the list goes on in steps of 64 up to
+  ``max_num_seqs``.
+- ``max_num_batched_tokens`` holds at least the full decode batch and vLLM's H100/H200 default of 16,384.
+- ``gpu_memory_utilization: auto``: colocated, the engine reserves the KV cache one step needs (a group's
+  shared prompt blocks once with prefix caching, each sample's own tail and response blocks), +25%,
+  and asks for weights + that + a fixed ``ENGINE_OVERHEAD_BYTES`` for activations and graphs; the
+  rest of the GPU is the learner's and the critic's. On a GPU of its own an engine takes ``SPLIT_SHARE``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+BLOCK = 16  # vLLM's default KV block size on GPUs
+MIN_BATCHED_TOKENS = 16384
+KV_MARGIN = 1.25
+ENGINE_OVERHEAD_BYTES = 8 << 30  # activations of a 16k-token prefill, CUDA graphs, sampler buffers (seen ~5 GiB at 8B)
+SPLIT_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: vLLM's default
+    capture_sizes: list[int] | None  # None: vLLM's default list (eager, or no graphs planned)
+    kv_cache_bytes: int | None  # None: vLLM sizes the KV cache from gpu_memory_utilization
+    gpu_memory_utilization: float | None
+
+    def engine_kwargs(self) -> dict:
+        out = {"max_num_seqs": self.max_num_seqs}
+        if self.max_num_batched_tokens is not None:
+            out["max_num_batched_tokens"] = self.max_num_batched_tokens
+        if self.capture_sizes is not None:
+            out["compilation_config"] = {"cudagraph_capture_sizes": list(self.capture_sizes),
+                                         "max_cudagraph_capture_size": max(self.capture_sizes)}
+        if self.kv_cache_bytes is not None:
+            out["kv_cache_memory_bytes"] = self.kv_cache_bytes
+        if self.gpu_memory_utilization is not None:
+            out["gpu_memory_utilization"] = self.gpu_memory_utilization
+        return out
+
+
+def samples_per_engine(prompts_per_step: int, group_size: int, num_engines: int) -> int:
+    return math.ceil(prompts_per_step / num_engines) * group_size
+
+
+def round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Decode batch sizes to capture: vLLM's list (1, 2, 4, 8..248 by 8, 256..512 by 16), then by 64 up to ``max_batch``."""
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, 513, 16), *range(576, round_up(max_batch, 64) + 1, 64)]
+    top = round_up(max_batch, 16) if max_batch <= 512 else round_up(max_batch, 64)
+    return [s for s in sizes if s <= top]
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+    """Keys and values of one token in every layer."""
+    return 2 * layers * kv_heads * head_dim * elem_bytes
+
+
+def step_kv_tokens(groups: int, group_size: int, prompt_tokens: int, max_new_tokens: int, shared_prefix: bool,
+                   block: int = BLOCK) -> int:
+    """KV slots (whole blocks) one step's samples hold at their longest.
+
+    With prefix caching a group's full prompt blocks are held once; each sample keeps the partial last
+    prompt block and its response blocks (+1 for the token being written)."""
+    if not shared_prefix:
+        return groups * group_size * round_up(prompt_tokens + max_new_tokens + 1, block)
+    full = prompt_tokens // block * block
+    tail = prompt_tokens - full + max_new_tokens + 1
+    return groups * (full + group_size * round_up(tail, block))
+
+
+def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict, *, colocated: bool,
+                weight_bytes: int, total_bytes: int, eager: bool) -> EnginePlan:
+    """The plan for ``ro`` (the run's ``rollout`` section) on one GPU engine.
+
+    ``model_shape``: layers, kv_heads, head_dim, elem_bytes of the KV cache; ``weight_bytes`` what the
+    engine's weights take on the GPU; ``total_bytes`` the GPU's memory."""
+    per_engine = samples_per_engine(prompts_per_step, ro.group_size, ro.num_engines)
+    seqs = min(4096, round_up(per_engine, 16)) if ro.max_num_seqs == "auto" else ro.max_num_seqs
+    batched = max(MIN_BATCHED_TOKENS, seqs)
+    graphs = None if eager else capture_sizes(seqs)
+    kv = util = None
+    if ro.gpu_memory_utilization == "auto":
+        if colocated:
+            groups = math.ceil(prompts_per_step / ro.num_engines)
+            tokens = step_kv_tokens(groups, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching)
+            per_token = kv_bytes_per_token(model_shape["layers"], model_shape["kv_heads"], model_shape["head_dim"],
+                                           model_shape["elem_bytes"])
+            kv = int(tokens * per_token * KV_MARGIN)
+            # vLLM checks at start that this share of the GPU is free; with kv_cache_memory_bytes set it
+            # reserves exactly that KV cache whatever the share says
+            util = min(0.95, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)
+        else:
+            util = SPLIT_SHARE
+    else:
+        util = ro.gpu_memory_utilization
+    return EnginePlan(seqs, batched, graphs, kv, round(util, 4))

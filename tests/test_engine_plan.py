@@ -1,0 +1,74 @@
+"""The vLLM engine plan (rollout.engine_plan): batch limits, CUDA-graph sizes, KV reservation, from the batch."""
+import pytest
+
+from rollout.engine_plan import (ENGINE_OVERHEAD_BYTES, KV_MARGIN, SPLIT_SHARE, capture_sizes, kv_bytes_per_token,
+                                 plan_engine, step_kv_tokens)
+from shared.config import build_config
+
+QWEN3_8B_KV = {"layers": 36, "kv_heads": 8, "head_dim": 128, "elem_bytes": 2}
+GIB = 1 << 30
+
+
+def _ro(**rollout):
+    return build_config({"rollout": rollout}).rollout
+
+
+def test_kv_bytes_per_token_of_the_8b_shape():
+    assert kv_bytes_per_token(**QWEN3_8B_KV) == 147_456  # 2 (K, V) x 36 x 8 x 128 x 2 bytes
+
+
+def test_shared_prompt_blocks_are_held_once_per_group():
+    # 200-token prompt: 12 full blocks shared, 8 left + 150 new + 1 in each sample's own blocks
+    assert step_kv_tokens(64, 8, 200, 150, shared_prefix=True) == 64 * (192 + 8 * 160)
+    assert step_kv_tokens(64, 8, 200, 150, shared_prefix=False) == 64 * 8 * 352
+    # a prompt of whole blocks keeps nothing of it per sample but the response
+    assert step_kv_tokens(1, 4, 32, 15, shared_prefix=True) == 32 + 4 * 16
+
+
+def test_capture_sizes_reach_the_decode_batch():
+    assert capture_sizes(512)[-1] == 512 and 496 in capture_sizes(512)
+    big = capture_sizes(2048)
+    assert big[-1] == 2048 and big == sorted(set(big)) and 1088 in big and 1040 not in big  # by 64 past 512
+    assert capture_sizes(40)[-1] == 48  # rounded up to the stride: a 40-sample batch is graphed
+    assert capture_sizes(1000)[-1] == 1024
+
+
+@pytest.mark.parametrize("prompts,engines,seqs", [(64, 1, 512), (128, 1, 1024), (256, 1, 2048), (3, 1, 32), (64, 2, 256)])
+def test_auto_batch_holds_one_steps_samples(prompts, engines, seqs):
+    plan = plan_engine(_ro(num_engines=engines), prompts, 200, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB,
+                       total_bytes=141 * GIB, eager=False)
+    assert plan.max_num_seqs == seqs
+    assert plan.capture_sizes[-1] >= seqs and plan.max_num_batched_tokens >= seqs
+
+
+def test_colocated_auto_memory_is_weights_plus_one_steps_kv():
+    ro = _ro()
+    plan = plan_engine(ro, 128, 200, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB, eager=False)
+    kv = int(step_kv_tokens(128, 8, 200, 150, True) * 147_456 * KV_MARGIN)
+    assert plan.kv_cache_bytes == kv
+    assert plan.gpu_memory_utilization == pytest.approx((16 * GIB + kv + ENGINE_OVERHEAD_BYTES) / (141 * GIB), abs=1e-4)
+    # without prefix caching every sample holds its own prompt: more memory
+    off = plan_engine(_ro(prefix_caching=False), 128, 200, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB,
+                      total_bytes=141 * GIB, eager=False)
+    assert off.kv_cache_bytes > 1.5 * plan.kv_cache_bytes
+    kwargs = plan.engine_kwargs()
+    assert kwargs["kv_cache_memory_bytes"] == kv and kwargs["max_num_seqs"] == 1024
+    assert kwargs["compilation_config"]["max_cudagraph_capture_size"] == 1024
+
+
+def test_split_auto_takes_the_gpu_and_set_values_stand():
+    split = plan_engine(_ro(), 64, 200, QWEN3_8B_KV, colocated=False, weight_bytes=16 * GIB, total_bytes=141 * GIB, eager=False)
+    assert split.kv_cache_bytes is None and split.gpu_memory_utilization == SPLIT_SHARE
+    fixed = plan_engine(_ro(gpu_memory_utilization=0.3, max_num_seqs=100), 64, 200, QWEN3_8B_KV, colocated=True,
+                        weight_bytes=16 * GIB, total_bytes=141 * GIB, eager=True)
+    assert (fixed.max_num_seqs, fixed.gpu_memory_utilization, fixed.kv_cache_bytes, fixed.capture_sizes) == (100, 0.3, None, None)
+    assert "compilation_config" not in fixed.engine_kwargs()
+
+
+def test_bad_values_are_refused():
+    from shared.errors import NlaInputError
+
+    for bad in ({"gpu_memory_utilization": "most"}, {"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0},
+                {"max_num_seqs": "many"}):
+        with pytest.raises(NlaInputError):
+            build_config({"rollout": bad})

@@ -1,0 +1,61 @@
+"""Prefix caching in the vLLM backend is safe for the vector: a group's samples share their prompt's KV,
+a prompt with the same token ids and another vector never does (embed and karvonen injection, with an
+adapter), and the check itself catches a cache keyed on token ids alone."""
+import pytest
+
+from rollout_support import cache_hits, expected_hits, hits_per_request, max_abs_diff, tiny_config, twin_batch, update_for, vectors_of
+from shared.spec import load_spec, sidecar_path
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+PARITY_ATOL = 1e-4
+BLOCK = 32  # the CPU attention backend's smallest block; the tiny prompts (43 tokens) fill one, the marker inside it
+
+
+@pytest.fixture(scope="module", params=["embed", "karvonen"])
+def engines(request, tiny_dir):
+    from rollout.hf_engine import HfEngine
+    from rollout.vllm_engine import VllmEngine
+
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param == "karvonen" else None
+    cfg = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=12, engine_options={"block_size": BLOCK})
+    assert cfg.rollout.prefix_caching  # the default
+    vllm_engine, hf = VllmEngine(cfg, spec), HfEngine(cfg, spec)
+    update = update_for(cfg, 1, seed=3)
+    vllm_engine.load_adapter(update)
+    hf.load_adapter(update)
+    yield vllm_engine, hf
+    vllm_engine.close()
+    hf.close()
+
+
+def test_the_group_shares_its_prompt_and_another_vector_never_does(engines, tiny_dir):
+    engine, hf = engines
+    assert engine.prefix_caching
+    G = engine.cfg.rollout.group_size
+    batch = twin_batch(tiny_dir, engine, BLOCK)
+    hits = cache_hits(engine)
+    samples = engine.generate(batch, seed=5)
+    # every sample's logprobs are those of its own vector (a twin handed request 0's KV would not be)
+    assert max_abs_diff(samples, hf.recompute_logprobs(samples, vectors_of(samples, batch))) <= PARITY_ATOL
+    assert hits_per_request(hits) == expected_hits(batch[0], G, BLOCK), hits
+    # and the twin's group computed exactly what it computes alone
+    alone = engine.generate([batch[1]], seed=5)
+    assert [s.response_ids for s in alone] == [s.response_ids for s in samples[G:2 * G]]
+    assert max_abs_diff(alone, [s.logprobs for s in samples[G:2 * G]]) <= 1e-5
+
+
+def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypatch):
+    """The control: with vLLM's prompt-embeds hash keys switched off, the twin gets request 0's KV and
+    the check above fails; so its passing means the keys are what keeps vectors apart."""
+    from vllm.v1.core import kv_cache_utils
+
+    engine, hf = engines
+    batch = twin_batch(tiny_dir, engine, BLOCK)
+    monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", lambda *a, **k: [])
+    samples = engine.generate(batch, seed=5)
+    G = engine.cfg.rollout.group_size
+    twin = samples[G:2 * G]
+    assert max_abs_diff(twin, hf.recompute_logprobs(twin, vectors_of(twin, [batch[1]]))) > 1e-3
