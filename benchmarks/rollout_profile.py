@@ -193,6 +193,7 @@ def main() -> int:
                 rec["generated_tokens_per_s"] = n * G * args.new_tokens / wall
                 results["runs"].append(rec)
                 print(json.dumps(rec), flush=True)
+                Path(args.out).write_text(json.dumps(results, indent=1))  # kept as it grows: a cut run keeps its figures
     engine.close()
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\n| batch | mode | wall s | steps | prefill tok | prefill s | decode ms/step | KV peak | preempt |\n|---|---|---|---|---|---|---|---|---|")
