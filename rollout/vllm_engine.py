@@ -105,11 +105,12 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         # the group's samples share their prompt's KV; vLLM keys blocks on the prompt embeddings, which
         # carry the vector (see vllm_compat.prefix_cache_keys_embeds), so other vectors never share
         enable_prefix_caching=bool(ro.prefix_caching and prefix_cache_keys_embeds()),
-        enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
+    )
+    if ro.lora == "adapter":
         # restricting LoRA to the adapter's linear modules is what makes prompt_embeds + LoRA work
         # (an embedding LoRA under prompt_embeds crashes the engine)
-        lora_target_modules=targets,
-    )
+        kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
+                      lora_target_modules=targets)
     if cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
     from shared.quantization import vllm_options
@@ -196,9 +197,18 @@ class VllmEngine(RolloutEngine):
                 raise NlaInputError("injection.mode", "karvonen on vLLM needs this package's vLLM plugin (entry point "
                                     "vllm.general_plugins): install the package, `pip install -e .`")
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
-        self.llm = vllm.LLM(**kwargs)
+        if cfg.rollout.lora == "merged" and cpu:
+            from rollout.vllm_compat import cpu_linears_keep_weights
+
+            with cpu_linears_keep_weights():
+                self.llm = vllm.LLM(**kwargs)
+        else:
+            self.llm = vllm.LLM(**kwargs)
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
-        self.transport = make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
+        self.merged = cfg.rollout.lora == "merged"
+        # merged: the adapter goes into the engine's own weights (vllm_compat.merge_adapter_in_worker)
+        self.transport = None if self.merged else make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
+        self.last_push: dict = {}
         self._lora_request = None
         self._version = 0
 
@@ -256,7 +266,13 @@ class VllmEngine(RolloutEngine):
         from rollout.transport import check_update
 
         check_update(update, self._version)
-        self._lora_request = self.transport.push(update)
+        if self.merged:
+            from rollout.vllm_compat import merge_adapter_in_worker
+
+            tensors, config = update.tensors, update.peft_config
+            self.last_push = self.llm.collective_rpc(lambda w: merge_adapter_in_worker(w, tensors, config))[0]
+        else:
+            self._lora_request = self.transport.push(update)
         self._version = update.version
 
     def sleep(self) -> None:

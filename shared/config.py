@@ -130,6 +130,10 @@ class RolloutConfig(_Section):
     needs (rollout.engine_plan), the rest left to the learner; on a GPU of its own, 0.9."""
     max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
     """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch."""
+    lora: Literal["adapter", "merged"] = "adapter"
+    """adapter: the engine applies the pushed LoRA (vLLM's LoRA kernels); merged: each push folds it into the
+    engine's own weights (W = W_base + s·B·A, from a host copy of the base), so decode runs with no LoRA at all;
+    the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, so prompts with other vectors never share); the cache is emptied before each generate call."""
@@ -522,6 +526,14 @@ def combination_problem(cfg: RunConfig) -> str | None:
     if r.sleep_during_update and (p.mode != "colocated" or r.backend != "vllm"):
         return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
                 f"{r.backend}): only a GPU shared with the learner gains from it")
+    if r.lora == "merged":
+        why = ("rollout.backend=hf" if r.backend != "vllm" else f"model.quantization={cfg.model.quantization}"
+               if cfg.model.quantization != "none" else "weight_sync.kind=file" if cfg.weight_sync.kind == "file"
+               else f"rollout.tensor_parallel_size={r.tensor_parallel_size}" if r.tensor_parallel_size != 1 else None)
+        if why:
+            return (f"rollout.lora=merged with {why}: merging folds the adapter into one vLLM engine's own unquantised "
+                    "weights in its process (vLLM backend, quantization none, one GPU per engine, a weight_sync other "
+                    "than file); use rollout.lora=adapter")
     if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
         return ("grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old logprobs with the current "
                 "adapter and would drop the one-step staleness from the ratio; use ppo_epochs=1")

@@ -89,6 +89,20 @@ def test_karvonen_job_on_vllm(tiny_dir, tmp_path):
     assert "mode: karvonen" in (run / "config.yaml").read_text()
 
 
+@pytest.mark.timeout(600)
+def test_merged_adapter_with_truncated_importance_sampling_job(tiny_dir, tmp_path):
+    """rollout.lora=merged (the adapter folded into vLLM's weights at each push) and grpo.tis_cap through the
+    whole job: the merged engine samples what the learner's LoRA computes (fp32), the weights stay 1 and
+    none hits the cap, the adapter advances every step."""
+    run = tmp_path / "merged"
+    _train(tiny_dir, run, "--steps", "6", "--set", "rollout.lora=merged", "--set", "grpo.tis_cap=2",
+           "--set", "logging.eval_every=0", "--set", "checkpointing.every=0")
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(6)) and rows[-1]["adapter_version"] == 7
+    assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
+    assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 and r["tis/capped_frac"] == 0 for r in rows)
+
+
 @pytest.mark.timeout(1200)
 def test_a_killed_run_resumes_exactly(tiny_dir, tmp_path, six_step_run):
     """Killed hard mid-run (after its first checkpoint), then resumed: the same adapter, metrics and learner
