@@ -83,7 +83,7 @@ def job_config(root: Path, args) -> dict:
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
-                    "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching,
+                    "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching, "lora": args.lora,
                     "sleep_during_update": args.sleep},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
@@ -120,6 +120,8 @@ def main() -> int:
                     help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="rollout.prefix_caching false: every sample prefills its own prompt (the earlier figures)")
+    ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter",
+                    help="rollout.lora (merged: the adapter folded into vLLM's weights at each push)")
     ap.add_argument("--tis-cap", type=float, default=None, help="grpo.tis_cap (token-level truncated importance sampling)")
     ap.set_defaults(vllm_mem="auto")
     args = ap.parse_args()
@@ -145,7 +147,7 @@ def main() -> int:
                                         nf4=args.shape == "qwen3-32b")
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
-           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else ""))
+           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else ""))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"

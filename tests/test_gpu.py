@@ -39,18 +39,18 @@ _PARITY: dict = {}  # (dir, transport, injection mode, quantization) -> k3 per p
 
 
 def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none", limits=(0.05, 0.01),
-               cache: bool = True) -> list[float]:
+               cache: bool = True, lora: str = "adapter") -> list[float]:
     """Three pushes with training between, each followed by a rollout that the learner rescores;
     returns each push's k3 (and checks mean |Δlogp| and k3 below ``limits``, the bf16 noise level)."""
-    key = (str(tiny_dir), transport, injection and injection["mode"], quantization)
+    key = (str(tiny_dir), transport, injection and injection["mode"], quantization, lora)
     if not cache:
-        return _measure_parity(tiny_dir, transport, injection, quantization, limits)
+        return _measure_parity(tiny_dir, transport, injection, quantization, limits, lora)
     if key not in _PARITY:
-        _PARITY[key] = _measure_parity(tiny_dir, transport, injection, quantization, limits)
+        _PARITY[key] = _measure_parity(tiny_dir, transport, injection, quantization, limits, lora)
     return _PARITY[key]
 
 
-def _measure_parity(tiny_dir, transport, injection, quantization, limits) -> list[float]:
+def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
     from learner.service import Learner
     from rollout.vllm_engine import VllmEngine
 
@@ -61,6 +61,7 @@ def _measure_parity(tiny_dir, transport, injection, quantization, limits) -> lis
                        gpu_memory_utilization=0.2, max_num_seqs=32, engine_options=compiled)
     raw = base.model_dump(mode="python")
     raw["model"].update(dtype="bfloat16", quantization=quantization)
+    raw["rollout"]["lora"] = lora
     raw["placement"]["mode"] = "colocated"  # a GPU run (NF4 is refused on the cpu placement)
     raw["critic"]["lora_r"] = 8
     raw["learner"].update(lr=5e-2, optimizer="adamw")
@@ -79,7 +80,7 @@ def _measure_parity(tiny_dir, transport, injection, quantization, limits) -> lis
             ours = learner.logprobs(samples, vectors)
             d = torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(samples, ours)])
             k3 = (torch.exp(-d) + d - 1).mean().item()
-            print(f"{transport} {injection and injection['mode']} {quantization} v{learner.version}: mean |dlogp| "
+            print(f"{transport} {injection and injection['mode']} {quantization} {lora} v{learner.version}: mean |dlogp| "
                   f"{d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
             assert d.abs().mean() < limits[0] and k3 < limits[1]
             figures.append(k3)
@@ -103,6 +104,18 @@ def test_bf16_vllm_matches_learner_after_each_push(tiny_bf16_dir, transport, mon
     # the bf16-stored tiny model (as the NF4 test's own bf16 pair, which then reuses these figures)
     _parity_k3(tiny_bf16_dir, transport.removesuffix("-bytes").removesuffix("-karvonen"), injection,
                cache=transport != "memory-bytes")  # the bytes route shares "memory"'s key but must run itself
+
+
+@pytest.mark.parametrize("mode", ["embed", "karvonen"])
+def test_merged_adapter_rollout_stays_close_to_the_learner(tiny_bf16_dir, mode):
+    """rollout.lora=merged on the GPU: the adapter folded into vLLM's bf16 weights at each of three pushes
+    (training between them); the k3 against the learner's LoRA is reported beside the adapter route's and
+    stays within the bf16 limits (bf16 rounding of W + s·B·A instead of a separate LoRA product)."""
+    pytest.importorskip("vllm")
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
+    adapter = _parity_k3(tiny_bf16_dir, "memory", injection, "none")
+    merged = _parity_k3(tiny_bf16_dir, "memory", injection, "none", lora="merged")
+    print(f"{mode}: k3 adapter {adapter}, merged {merged}")
 
 
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])
