@@ -254,12 +254,12 @@ class Learner:
             T = max(len(it.response_ids) for it in chunk)
             adv = torch.tensor([it.advantage for it in chunk], dtype=torch.float32, device=self.device)
             old_lp = _padded([old[i] for i in idx], T, self.device)
+            rollout = _padded([it.rollout_logp for it in chunk], T, self.device) if decide or g.tis_cap is not None else None
             with self.policy.injecting(batch):
                 new_lp, mask = self.policy.forward_logprobs(batch)
                 with torch.no_grad(), self.policy.using(REFERENCE):
                     ref_lp, _ = self.policy.forward_logprobs(batch)
                 if decide:
-                    rollout = _padded([it.rollout_logp for it in chunk], T, self.device)
                     a, k = logprob_mismatch(rollout, new_lp, mask)
                     for i, x, y in zip(idx, a.tolist(), k.tolist()):
                         mm_abs[i], mm_k3[i] = x, y
@@ -269,7 +269,6 @@ class Learner:
                 if g.tis_cap is not None:
                     # the ratio against the learner's own logprobs before the step (this forward's, at one
                     # epoch), the engine's sampling corrected by the truncated weight
-                    rollout = _padded([it.rollout_logp for it in chunk], T, self.device)
                     if decide:
                         old_lp = new_lp.detach()
                     weights = tis_weights(old_lp, rollout, mask, g.tis_cap)

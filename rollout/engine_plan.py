@@ -21,34 +21,27 @@ from dataclasses import dataclass
 BLOCK = 16  # vLLM's default KV block size on GPUs
 MIN_BATCHED_TOKENS = 16384
 KV_MARGIN = 1.25
-ENGINE_OVERHEAD_BYTES = 8 << 30  # activations of a 16k-token prefill, CUDA graphs, sampler buffers (seen ~5 GiB at 8B)
+ENGINE_OVERHEAD_BYTES = 8 << 30  # activations of a 16k-token prefill, CUDA graphs (1.9 GiB at 8B to batch 2048), sampler buffers
 SPLIT_SHARE = 0.9
 
 
 @dataclass(frozen=True)
 class EnginePlan:
     max_num_seqs: int
-    max_num_batched_tokens: int | None  # None: vLLM's default
-    capture_sizes: list[int] | None  # None: vLLM's default list (eager, or no graphs planned)
+    max_num_batched_tokens: int
+    capture_sizes: list[int] | None  # None: no graphs (eager)
     kv_cache_bytes: int | None  # None: vLLM sizes the KV cache from gpu_memory_utilization
-    gpu_memory_utilization: float | None
+    gpu_memory_utilization: float
 
     def engine_kwargs(self) -> dict:
-        out = {"max_num_seqs": self.max_num_seqs}
-        if self.max_num_batched_tokens is not None:
-            out["max_num_batched_tokens"] = self.max_num_batched_tokens
+        out = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+               "gpu_memory_utilization": self.gpu_memory_utilization}
         if self.capture_sizes is not None:
             out["compilation_config"] = {"cudagraph_capture_sizes": list(self.capture_sizes),
                                          "max_cudagraph_capture_size": max(self.capture_sizes)}
         if self.kv_cache_bytes is not None:
             out["kv_cache_memory_bytes"] = self.kv_cache_bytes
-        if self.gpu_memory_utilization is not None:
-            out["gpu_memory_utilization"] = self.gpu_memory_utilization
         return out
-
-
-def samples_per_engine(prompts_per_step: int, group_size: int, num_engines: int) -> int:
-    return math.ceil(prompts_per_step / num_engines) * group_size
 
 
 def round_up(n: int, to: int) -> int:
@@ -86,23 +79,18 @@ def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict
 
     ``model_shape``: layers, kv_heads, head_dim, elem_bytes of the KV cache; ``weight_bytes`` what the
     engine's weights take on the GPU; ``total_bytes`` the GPU's memory."""
-    per_engine = samples_per_engine(prompts_per_step, ro.group_size, ro.num_engines)
-    seqs = min(4096, round_up(per_engine, 16)) if ro.max_num_seqs == "auto" else ro.max_num_seqs
-    batched = max(MIN_BATCHED_TOKENS, seqs)
+    groups = math.ceil(prompts_per_step / ro.num_engines)  # prompts one engine gets in a step
+    seqs = min(4096, round_up(groups * ro.group_size, 16)) if ro.max_num_seqs == "auto" else ro.max_num_seqs
     graphs = None if eager else capture_sizes(seqs)
-    kv = util = None
-    if ro.gpu_memory_utilization == "auto":
-        if colocated:
-            groups = math.ceil(prompts_per_step / ro.num_engines)
-            tokens = step_kv_tokens(groups, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching)
-            per_token = kv_bytes_per_token(model_shape["layers"], model_shape["kv_heads"], model_shape["head_dim"],
-                                           model_shape["elem_bytes"])
-            kv = int(tokens * per_token * KV_MARGIN)
-            # vLLM checks at start that this share of the GPU is free; with kv_cache_memory_bytes set it
-            # reserves exactly that KV cache whatever the share says
-            util = min(0.95, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)
-        else:
-            util = SPLIT_SHARE
-    else:
+    kv = None
+    if ro.gpu_memory_utilization != "auto":
         util = ro.gpu_memory_utilization
-    return EnginePlan(seqs, batched, graphs, kv, round(util, 4))
+    elif not colocated:
+        util = SPLIT_SHARE
+    else:
+        tokens = step_kv_tokens(groups, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching)
+        kv = int(tokens * kv_bytes_per_token(**model_shape) * KV_MARGIN)
+        # vLLM checks at start that this share of the GPU is free; with kv_cache_memory_bytes set it
+        # reserves exactly that KV cache whatever the share says
+        util = min(0.95, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)
+    return EnginePlan(seqs, max(MIN_BATCHED_TOKENS, seqs), graphs, kv, round(util, 4))

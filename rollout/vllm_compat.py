@@ -285,9 +285,8 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
         b = tensors[key.replace(".lora_A.", ".lora_B.")]
         parent, leaf = module.rsplit(".", 1)
         fused, index = into.get(leaf, (leaf, 0))
-        short = module.rsplit(".", 1)[-1]
         r = a.shape[0]
-        alpha = (peft_config.get("alpha_pattern") or {}).get(short, peft_config.get("lora_alpha", r))
+        alpha = (peft_config.get("alpha_pattern") or {}).get(leaf, peft_config.get("lora_alpha", r))
         scale = alpha / math.sqrt(r) if peft_config.get("use_rslora") else alpha / r
         deltas.setdefault(f"{parent}.{fused}.weight", {})[index] = (a, b, scale)
     store = getattr(model, "_nla_base_weights", None)

@@ -197,7 +197,8 @@ class VllmEngine(RolloutEngine):
                 raise NlaInputError("injection.mode", "karvonen on vLLM needs this package's vLLM plugin (entry point "
                                     "vllm.general_plugins): install the package, `pip install -e .`")
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
-        if cfg.rollout.lora == "merged" and cpu:
+        self.merged = cfg.rollout.lora == "merged"
+        if self.merged and cpu:
             from rollout.vllm_compat import cpu_linears_keep_weights
 
             with cpu_linears_keep_weights():
@@ -205,7 +206,6 @@ class VllmEngine(RolloutEngine):
         else:
             self.llm = vllm.LLM(**kwargs)
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
-        self.merged = cfg.rollout.lora == "merged"
         # merged: the adapter goes into the engine's own weights (vllm_compat.merge_adapter_in_worker)
         self.transport = None if self.merged else make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self.last_push: dict = {}

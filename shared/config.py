@@ -136,7 +136,8 @@ class RolloutConfig(_Section):
     the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
-    embeddings, so prompts with other vectors never share); the cache is emptied before each generate call."""
+    embeddings, so prompts with other vectors never share); each generate call has its own cache salt, so no
+    call reuses another's blocks."""
     max_prompt_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
     """Longest AV prompt the engine plans its KV cache for; None = the training data's longest (set at start)."""
     enforce_eager: bool = False
@@ -527,9 +528,11 @@ def combination_problem(cfg: RunConfig) -> str | None:
         return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
                 f"{r.backend}): only a GPU shared with the learner gains from it")
     if r.lora == "merged":
-        why = ("rollout.backend=hf" if r.backend != "vllm" else f"model.quantization={cfg.model.quantization}"
-               if cfg.model.quantization != "none" else "weight_sync.kind=file" if cfg.weight_sync.kind == "file"
-               else f"rollout.tensor_parallel_size={r.tensor_parallel_size}" if r.tensor_parallel_size != 1 else None)
+        blockers = [(r.backend != "vllm", f"rollout.backend={r.backend}"),
+                    (cfg.model.quantization != "none", f"model.quantization={cfg.model.quantization}"),
+                    (cfg.weight_sync.kind == "file", "weight_sync.kind=file"),
+                    (r.tensor_parallel_size != 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}")]
+        why = next((name for hit, name in blockers if hit), None)
         if why:
             return (f"rollout.lora=merged with {why}: merging folds the adapter into one vLLM engine's own unquantised "
                     "weights in its process (vLLM backend, quantization none, one GPU per engine, a weight_sync other "
