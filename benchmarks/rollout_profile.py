@@ -81,6 +81,48 @@ class SchedulerTrace:
         }
 
 
+class CallTimers:
+    """Wall time spent inside named engine functions, per generate call: where a decode step's time goes.
+
+    In-process engine core: ``engine_step`` (``EngineCore.step_fn``) holds ``schedule``, ``execute_model``
+    and ``sample_tokens`` (what the CPU spends preparing and launching a step; with async scheduling
+    they do not wait for the GPU), ``update_from_output``, and the rest of it, ``gpu_wait``: the
+    time the CPU blocked on the GPU's result. ``process_outputs`` (request outputs, logprobs) runs
+    after it in the same thread. ``gpu_wait`` near zero means the GPU waits for the CPU.
+    """
+
+    def __init__(self, llm):
+        from rollout.vllm_compat import in_process_engine_core
+
+        core = in_process_engine_core(llm)
+        self.seconds, self.calls = {}, {}
+        for name, obj, attr in [("engine_step", core, "step_fn"), ("schedule", core.scheduler, "schedule"),
+                                ("update_from_output", core.scheduler, "update_from_output"),
+                                ("execute_model", core.model_executor, "execute_model"),
+                                ("sample_tokens", core.model_executor, "sample_tokens"),
+                                ("process_outputs", llm.llm_engine.output_processor, "process_outputs")]:
+            setattr(obj, attr, self._timed(name, getattr(obj, attr)))
+
+    def _timed(self, name, fn):
+        def call(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+                self.calls[name] = self.calls.get(name, 0) + 1
+        return call
+
+    def reset(self):
+        self.seconds, self.calls = {}, {}
+
+    def summary(self, steps: int) -> dict:
+        s = dict(self.seconds)
+        inner = sum(s.get(k, 0.0) for k in ("schedule", "update_from_output", "execute_model", "sample_tokens"))
+        s["gpu_wait"] = max(0.0, s.get("engine_step", 0.0) - inner)
+        return {f"cpu_ms_per_step/{k}": 1e3 * v / max(steps, 1) for k, v in sorted(s.items())}
+
+
 def random_update(cfg, shape: dict, layers: int, device: str):
     """A LoRA of the run's rank on every linear of the 8B shape, PEFT's key names, random A and B."""
     import torch
@@ -165,6 +207,7 @@ def main() -> int:
     reqs = [PromptRequest(int(rows.row_ids[i]), table[index[i]][0], table[index[i]][1], rows.activations[i].tolist())
             for i in range(top)]
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
+    timers = CallTimers(engine.llm)
     vllm, G = engine._vllm, args.group
     results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
                "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),
@@ -196,6 +239,7 @@ def main() -> int:
         for mode in args.modes.split(","):
             for rep in range(args.steps):
                 trace.reset()
+                timers.reset()
                 sync()
                 t = time.perf_counter()
                 if mode == "shared":
@@ -211,6 +255,7 @@ def main() -> int:
                 sync()
                 wall = time.perf_counter() - t
                 rec = {"prompts": n, "group": G, "mode": mode, "rep": rep, "wall_s": wall, **trace.summary()}
+                rec.update(timers.summary(rec["steps"]))
                 rec["generated_tokens_per_s"] = n * G * args.new_tokens / wall
                 results["runs"].append(rec)
                 print(json.dumps(rec), flush=True)

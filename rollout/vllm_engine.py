@@ -159,9 +159,9 @@ class VllmEngine(RolloutEngine):
         prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1, ship_callables=in_worker)
         import vllm
 
-        from rollout.vllm_compat import eager_logprob_ranks, skip_router_gemm_warmup
+        from rollout.vllm_compat import eager_logprob_ranks, engine_patches
 
-        skip_router_gemm_warmup()  # for an engine core in this process; the plugin does it in vLLM's own
+        engine_patches()  # for an engine core in this process; the plugin applies them in vLLM's own
         if cpu:
             eager_logprob_ranks()  # CPU engines run in this process (prepare_engine_env)
         from transformers import AutoTokenizer

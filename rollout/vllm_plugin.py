@@ -12,13 +12,13 @@ def register() -> None:
     """Never raises: vLLM does not catch a plugin's error, so one here would stop every engine in this
     environment, other projects' too. Without the classes a karvonen engine says so in one line.
     In the processes of engines this project started it also applies
-    ``rollout.vllm_compat.skip_router_gemm_warmup``; other programs' vLLM stays as it is."""
+    ``rollout.vllm_compat.engine_patches``; other programs' vLLM stays as it is."""
     import os
 
     from rollout import vllm_compat  # standard library only: importing it cannot fail where this module loads
 
-    if os.environ.get(vllm_compat.SKIP_ROUTER_WARMUP) == "1":
-        vllm_compat.skip_router_gemm_warmup()  # never raises either
+    if os.environ.get(vllm_compat.OUR_ENGINE) == "1":
+        vllm_compat.engine_patches()  # never raises either
     try:
         from vllm import ModelRegistry
 

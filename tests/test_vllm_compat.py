@@ -61,12 +61,12 @@ def test_engine_environment_respects_what_is_set(monkeypatch):
     from rollout.vllm_compat import prepare_engine_env
 
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_WORKER_MULTIPROC_METHOD",
-                "NLA_GRPO_SKIP_ROUTER_WARMUP"):
+                "NLA_GRPO_ENGINE"):
         monkeypatch.delenv(key, raising=False)
     prepare_engine_env(cpu=False, in_process=False, ship_callables=True)
     assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
-    assert os.environ["NLA_GRPO_SKIP_ROUTER_WARMUP"] == "1"  # inherited by the engine's own processes
+    assert os.environ["NLA_GRPO_ENGINE"] == "1"  # inherited by the engine's own processes
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a user's choice stands
     prepare_engine_env(cpu=True, in_process=True)
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
@@ -91,20 +91,21 @@ def test_the_router_gemm_warmup_is_skipped_only_where_it_ignores_the_model():
     assert not skip_router_gemm_warmup(types.SimpleNamespace())  # gone in some version: nothing to do
 
 
-def test_the_plugin_skips_the_warmup_only_in_this_projects_engines(monkeypatch):
+def test_the_plugin_patches_only_this_projects_engines(monkeypatch):
     """The plugin's entry point is installed for the whole environment: another program's vLLM (say, one
-    serving a MoE model) keeps its warm-up; the engines this project starts carry the variable."""
+    serving a MoE model) keeps its warm-up and its sampler; the engines this project starts carry the variable."""
     import rollout.vllm_compat as compat
     from rollout.vllm_plugin import register
 
     calls = []
-    monkeypatch.setattr(compat, "skip_router_gemm_warmup", lambda: calls.append(1) or True)
-    monkeypatch.delenv(compat.SKIP_ROUTER_WARMUP, raising=False)
+    monkeypatch.setattr(compat, "skip_router_gemm_warmup", lambda: calls.append("warmup") or True)
+    monkeypatch.setattr(compat, "batched_seeded_sampling", lambda: calls.append("sampler") or True)
+    monkeypatch.delenv(compat.OUR_ENGINE, raising=False)
     register()
     assert calls == []
-    monkeypatch.setenv(compat.SKIP_ROUTER_WARMUP, "1")
+    monkeypatch.setenv(compat.OUR_ENGINE, "1")
     register()
-    assert calls == [1]
+    assert calls == ["warmup", "sampler"]
 
 
 def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
