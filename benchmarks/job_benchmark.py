@@ -87,7 +87,7 @@ def job_config(root: Path, args) -> dict:
                     "sleep_during_update": args.sleep},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
-                    "lr": 1e-6, "optimizer": args.optimizer},
+                    "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules},
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap,
                  "tis_cap": args.tis_cap},
         "placement": {"mode": args.placement, "learner_gpus": 1},
@@ -122,6 +122,8 @@ def main() -> int:
                     help="rollout.prefix_caching false: every sample prefills its own prompt (the earlier figures)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter",
                     help="rollout.lora (merged: the adapter folded into vLLM's weights at each push)")
+    ap.add_argument("--nf4-fp32-modules", action="store_true",
+                    help="learner.nf4_fp32_modules: the NF4 learner's norms, embeddings and head in fp32 (PEFT's kbit recipe)")
     ap.add_argument("--tis-cap", type=float, default=None, help="grpo.tis_cap (token-level truncated importance sampling)")
     ap.set_defaults(vllm_mem="auto")
     args = ap.parse_args()
@@ -147,6 +149,7 @@ def main() -> int:
                                         nf4=args.shape == "qwen3-32b")
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
+           + ("-fp32-modules" if args.nf4_fp32_modules else "")
            + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else ""))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))

@@ -114,16 +114,24 @@ def load_base_model(cfg, device):
         kwargs["device_map"] = {"": torch.device(device)}
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, **kwargs)
     model.config.use_cache = False
+    if not quantized:
+        model.to(device)
+    return freeze_base(model, gc, fp32_modules=quantized and cfg.learner.nf4_fp32_modules)
+
+
+def freeze_base(model, checkpointing: bool, fp32_modules: bool = False):
+    """The loaded base made ready for LoRA training: every parameter frozen, gradient checkpointing on
+    request. ``fp32_modules`` (``learner.nf4_fp32_modules``): PEFT's ``prepare_model_for_kbit_training``
+    instead, which also casts every unquantised parameter (norms, embeddings, LM head) to fp32."""
     # non-reentrant checkpointing needs no input that requires grad (the embeddings are frozen)
     gc_kwargs = {"use_reentrant": False}
-    if quantized:
+    if fp32_modules:
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gc, gradient_checkpointing_kwargs=gc_kwargs)
-    else:
-        model.to(device)
-        if gc:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=checkpointing,
+                                                gradient_checkpointing_kwargs=gc_kwargs)
+    elif checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
     for p in model.parameters():
         p.requires_grad_(False)
     return model

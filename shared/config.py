@@ -207,6 +207,11 @@ class LearnerConfig(_Section):
     LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (injection stays set)."""
+    nf4_fp32_modules: bool = False
+    """NF4 base only: cast its unquantised modules (norms, embeddings, LM head) to fp32, as PEFT's
+    prepare_model_for_kbit_training and the reference trainer do. Then every activation after a norm is fp32:
+    attention leaves the bf16 kernels and micro-batches hold half the tokens. false keeps them in the compute
+    dtype, as the bf16 learner and vLLM's NF4 engine run them."""
     ppo_epochs: int = Field(1, ge=1, le=16)
     """Optimizer steps per batch; >1 recomputes old logprobs with the learner first."""
     mismatch_mask_k3: float = Field(0.5, gt=0.0)
