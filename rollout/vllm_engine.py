@@ -156,7 +156,9 @@ class VllmEngine(RolloutEngine):
         # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
         # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB); with several, the
         # functions travel to separate engine cores
-        prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1, ship_callables=in_worker)
+        own = cfg.rollout.engine_core == "own_process"
+        prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1 and not own,
+                           ship_callables=in_worker, own_process=own)
         import vllm
 
         from rollout.vllm_compat import eager_logprob_ranks, engine_patches
@@ -274,6 +276,29 @@ class VllmEngine(RolloutEngine):
         else:
             self._lora_request = self.transport.push(update)
         self._version = update.version
+
+    @property
+    def receives_in_worker(self) -> bool:
+        """Whether a ``cuda_ipc`` push should go on to the worker as its handle (``load_adapter_message``):
+        an engine core in its own process on one GPU, which would otherwise get the tensors serialised."""
+        from rollout.vllm_compat import engine_in_process
+
+        return self.device == "cuda" and self.cfg.rollout.tensor_parallel_size == 1 and not engine_in_process(self.llm)
+
+    def load_adapter_message(self, message) -> None:
+        """Load a ``cuda_ipc`` ``AdapterMessage`` whose tensors the worker reads from the learner's buffer."""
+        from rollout.transport import ForwardedUpdate, check_version
+
+        if message.kind != "cuda_ipc":
+            raise ValueError(f"weight sync: only a cuda_ipc message goes on to the worker, found {message.kind!r}")
+        check_version(message.version, self._version)
+        if self.merged:
+            from rollout.vllm_compat import merge_message_in_worker
+
+            self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(message,))[0]
+        else:
+            self._lora_request = self.transport.push(ForwardedUpdate(message.version, message))
+        self._version = message.version
 
     def sleep(self) -> None:
         # level 1 offloads the weights to host memory and drops the KV cache; level 2 would drop the

@@ -19,6 +19,13 @@ def register() -> None:
 
     if os.environ.get(vllm_compat.OUR_ENGINE) == "1":
         vllm_compat.engine_patches()  # never raises either
+    if os.environ.get(vllm_compat.CPU_LINEARS_KEEP) == "1":
+        try:  # a merged CPU engine whose engine core runs in this process
+            vllm_compat.keep_cpu_linear_weights()
+        except Exception as exc:  # noqa: BLE001 - see the docstring; the merge then fails in one line
+            import logging
+
+            logging.getLogger(__name__).warning("nla-grpo: CPU linears keep no weights (%s: %s)", type(exc).__name__, exc)
     try:
         from vllm import ModelRegistry
 

@@ -134,6 +134,12 @@ class RolloutConfig(_Section):
     """adapter: the engine applies the pushed LoRA (vLLM's LoRA kernels); merged: each push folds it into the
     engine's own weights (W = W_base + s·B·A, from a host copy of the base), so decode runs with no LoRA at all;
     the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap)."""
+    engine_core: Literal["in_actor", "own_process"] = "in_actor"
+    """Where vLLM's engine core (scheduler and model runner) runs: in_actor, in the rollout actor's process,
+    where a push reaches the worker as tensors and the request outputs are built between steps in the same
+    thread; own_process, vLLM's separate process, which builds the outputs in the actor while the next step
+    runs (a cuda_ipc push forwards its handle to the worker). tensor_parallel_size > 1 and weight_sync file
+    always run their own processes."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, so prompts with other vectors never share); each generate call has its own cache salt, so no
@@ -532,6 +538,8 @@ def combination_problem(cfg: RunConfig) -> str | None:
     if r.sleep_during_update and (p.mode != "colocated" or r.backend != "vllm"):
         return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
                 f"{r.backend}): only a GPU shared with the learner gains from it")
+    if r.engine_core == "own_process" and r.backend != "vllm":
+        return f"rollout.engine_core=own_process is vLLM's engine core process: needs rollout.backend=vllm, found {r.backend}"
     if r.lora == "merged":
         blockers = [(r.backend != "vllm", f"rollout.backend={r.backend}"),
                     (cfg.model.quantization != "none", f"model.quantization={cfg.model.quantization}"),
