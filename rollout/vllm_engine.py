@@ -154,8 +154,8 @@ class VllmEngine(RolloutEngine):
         self.karvonen = cfg.injection.mode == "karvonen"
         in_worker = cfg.weight_sync.kind != "file"  # functions run inside the worker
         # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
-        # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB); with several, the
-        # functions travel to separate engine cores
+        # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB), unless rollout.engine_core
+        # asks for its own process; with several workers, the functions travel to separate engine cores
         own = cfg.rollout.engine_core == "own_process"
         prepare_engine_env(cpu, in_process=in_worker and cfg.rollout.tensor_parallel_size == 1 and not own,
                            ship_callables=in_worker, own_process=own)
