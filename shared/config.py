@@ -133,7 +133,8 @@ class RolloutConfig(_Section):
     lora: Literal["adapter", "merged"] = "adapter"
     """adapter: the engine applies the pushed LoRA (vLLM's LoRA kernels); merged: each push folds it into the
     engine's own weights (W = W_base + s·B·A, from a host copy of the base), so decode runs with no LoRA at all;
-    the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap)."""
+    the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap). With
+    model.quantization nf4, W_base is the learner's NF4 base dequantised to bf16 (the engine's weights in bf16)."""
     engine_core: Literal["in_actor", "own_process"] = "in_actor"
     """Where vLLM's engine core (scheduler and model runner) runs: in_actor, in the rollout actor's process,
     where a push reaches the worker as tensors and the request outputs are built between steps in the same
@@ -542,14 +543,13 @@ def combination_problem(cfg: RunConfig) -> str | None:
         return f"rollout.engine_core=own_process is vLLM's engine core process: needs rollout.backend=vllm, found {r.backend}"
     if r.lora == "merged":
         blockers = [(r.backend != "vllm", f"rollout.backend={r.backend}"),
-                    (cfg.model.quantization != "none", f"model.quantization={cfg.model.quantization}"),
                     (cfg.weight_sync.kind == "file", "weight_sync.kind=file"),
                     (r.tensor_parallel_size != 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}")]
         why = next((name for hit, name in blockers if hit), None)
         if why:
-            return (f"rollout.lora=merged with {why}: merging folds the adapter into one vLLM engine's own unquantised "
-                    "weights in its process (vLLM backend, quantization none, one GPU per engine, a weight_sync other "
-                    "than file); use rollout.lora=adapter")
+            return (f"rollout.lora=merged with {why}: merging folds the adapter into one vLLM engine's own bf16 "
+                    "weights in its process (vLLM backend, one GPU per engine, a weight_sync other than file); "
+                    "use rollout.lora=adapter")
     if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
         return ("grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old logprobs with the current "
                 "adapter and would drop the one-step staleness from the ratio; use ppo_epochs=1")

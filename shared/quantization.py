@@ -2,11 +2,14 @@
 
 ``model.quantization: nf4`` is the reference trainer's ``--quant 4bit``: NF4 with double quantisation,
 compute and storage in the model dtype (bfloat16), through bitsandbytes, GPU only. The learner's base,
-the HF rollout backend and the critic's backbone load the bf16 checkpoint with ``hf_quantization``;
-vLLM quantises the same checkpoint in flight with ``vllm_options`` (measured on an H200: vLLM's
-in-flight NF4 against the learner's NF4 double-quant base is at the bf16 pair's logprob noise floor,
-mean |Δlogp| 0.047, k3 0.0018). Nothing here imports bitsandbytes until a quantised model is built,
-so the CPU path neither needs nor loads it.
+the HF rollout backend and the critic's backbone load the bf16 checkpoint with ``hf_quantization``.
+vLLM quantises the same checkpoint in flight with ``vllm_options`` (measured on an H200: against the
+learner's NF4 double-quant base it sits at the bf16 pair's logprob noise floor, mean |Δlogp| 0.047,
+k3 0.0018). With ``rollout.lora: merged`` it instead loads the checkpoint unquantised and sets every
+decoder linear to ``nf4_roundtrip`` of its weight: the very bf16 values bitsandbytes multiplies by in the
+learner, into which each push folds the adapter, so decode runs vLLM's bf16 kernels (the engine then
+holds its weights in bf16). Nothing here imports bitsandbytes until a quantised model is built, so the
+CPU path neither needs nor loads it.
 
 A checkpoint saved already quantised (``quantization_config`` in its config.json) is loaded as saved by
 every service; ``prequantized`` reads that section and refuses, in one line, one that is not this NF4
@@ -74,6 +77,30 @@ def hf_quantization(quantization: str, dtype):
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
                               bnb_4bit_use_double_quant=True, bnb_4bit_quant_storage=dtype)
+
+
+def nf4_roundtrip(weight):
+    """``weight`` as the learner's NF4 base computes with it: quantised as ``hf_quantization`` quantises a
+    linear's weight (bitsandbytes' ``Params4bit``: NF4, blocks of 64, double quantisation, storage in the
+    weight's dtype), then dequantised, which is what bitsandbytes multiplies by. CUDA tensors only."""
+    import bitsandbytes.functional as bnbf
+
+    packed, state = bnbf.quantize_4bit(weight.contiguous(), blocksize=64, compress_statistics=True, quant_type="nf4",
+                                       quant_storage=weight.dtype)
+    return bnbf.dequantize_4bit(packed, state).to(weight.dtype)
+
+
+def roundtrip_by_parts(weight, sizes, roundtrip):
+    """``roundtrip`` applied to each row block of a fused weight (``sizes`` rows each, in order) on its own.
+
+    vLLM fuses q/k/v and gate/up into one weight; the learner quantises each as its own module, and double
+    quantisation (the absmax values quantised around their mean) makes a block's result depend on the whole
+    tensor it belongs to, so the fused weight must be quantised part by part to equal the learner's."""
+    import torch
+
+    if sum(sizes) != weight.shape[0]:
+        raise ValueError(f"parts of {list(sizes)} rows do not make a weight of {weight.shape[0]} rows")
+    return torch.cat([roundtrip(part) for part in torch.split(weight, list(sizes), dim=0)], dim=0)
 
 
 def vllm_options(quantization: str) -> dict:

@@ -50,11 +50,8 @@ def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "no
     return _PARITY[key]
 
 
-def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
-    from learner.service import Learner
-    from rollout.vllm_engine import VllmEngine
-
-    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter"):
+    """The parity tests' colocated GPU config on the tiny model."""
     compiled = {"enforce_eager": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
                 "enable_prefix_caching": True} if injection else {"enforce_eager": True}
     base = tiny_config(tiny_dir, injection, "file" if transport == "file" else "host", group_size=4, max_new_tokens=24,
@@ -65,7 +62,15 @@ def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="
     raw["placement"]["mode"] = "colocated"  # a GPU run (NF4 is refused on the cpu placement)
     raw["critic"]["lora_r"] = 8
     raw["learner"].update(lr=5e-2, optimizer="adamw")
-    cfg = build_config(raw, "gpu-test")
+    return build_config(raw, "gpu-test")
+
+
+def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
+    from learner.service import Learner
+    from rollout.vllm_engine import VllmEngine
+
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
     figures = []
@@ -128,6 +133,49 @@ def test_nf4_vllm_matches_the_nf4_learner(tiny_bf16_dir, mode):
     bf16 = _parity_k3(tiny_bf16_dir, "memory", injection, "none")
     nf4 = _parity_k3(tiny_bf16_dir, "memory", injection, "nf4")
     print(f"{mode}: k3 bf16 {bf16}, nf4 {nf4}")
+    assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
+
+
+def test_the_merged_nf4_engine_runs_the_learners_dequantised_base(tiny_bf16_dir):
+    """rollout.lora=merged with NF4: the engine's linears hold, bit for bit, what the learner's bitsandbytes
+    layers dequantise (q, k, v and gate, up quantised each on its own), and push after push its k3 against
+    the NF4 learner stays within 2x of the bf16 merged pair's."""
+    pytest.importorskip("vllm")
+    bnbf = pytest.importorskip("bitsandbytes.functional")
+    from learner.service import Learner
+    from rollout.vllm_compat import worker_model
+    from rollout.vllm_engine import VllmEngine
+
+    spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
+    cfg = _gpu_config(tiny_bf16_dir, "memory", None, "nf4", "merged")
+    learner = Learner(cfg, spec, "cuda")
+    engine = VllmEngine(cfg, spec, "cuda")
+    try:
+        assert "quantization" not in engine.plan_kwargs and engine.nf4_base["weights"] > 0
+        ours = dict(learner.model.named_modules())
+
+        def dequantised(layer: int, leaf: str):
+            name = next(n for n in ours if n.endswith(f"layers.{layer}.{leaf}") or n.endswith(f"layers.{layer}.{leaf}.base_layer"))
+            module = ours[name]
+            module = getattr(module, "base_layer", module)
+            return bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state).to(torch.bfloat16).cpu()
+
+        def engine_weight(layer: int, name: str):
+            return engine.llm.collective_rpc(
+                lambda w: dict(worker_model(w).named_parameters())[f"model.layers.{layer}.{name}.weight"].detach().cpu())[0]
+
+        for layer in (0, 1):
+            want = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+                    "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+                    "mlp.down_proj": ["mlp.down_proj"]}
+            for fused, leaves in want.items():
+                assert torch.equal(engine_weight(layer, fused), torch.cat([dequantised(layer, leaf) for leaf in leaves])), fused
+    finally:
+        engine.close()
+        del learner
+    bf16 = _parity_k3(tiny_bf16_dir, "memory", None, "none", lora="merged")
+    nf4 = _parity_k3(tiny_bf16_dir, "memory", None, "nf4", lora="merged")
+    print(f"merged: k3 bf16 {bf16}, nf4 {nf4}")
     assert max(nf4) <= 2 * max(bf16) + 1e-4, (bf16, nf4)
 
 
@@ -360,7 +408,15 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
     raw["model"]["dtype"] = "bfloat16"
     raw["placement"]["mode"] = "colocated"
     raw["critic"]["lora_r"] = 8
-    cfg = build_config(raw, "gpu-test")
+    return build_config(raw, "gpu-test")
+
+
+def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
+    from learner.service import Learner
+    from rollout.vllm_engine import VllmEngine
+
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
 
@@ -452,7 +508,15 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
                       engine_options={"enforce_eager": True}).model_dump(mode="python")
     raw["model"]["dtype"], raw["placement"]["mode"], raw["critic"]["lora_r"] = "bfloat16", "colocated", 8
     raw["weight_sync"] = {"kind": "cuda_ipc"}
-    cfg = build_config(raw, "gpu-test")
+    return build_config(raw, "gpu-test")
+
+
+def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
+    from learner.service import Learner
+    from rollout.vllm_engine import VllmEngine
+
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
     learner = Learner(cfg, spec, "cuda")
     actor = RolloutActor(cfg, spec, "vllm", "cuda")  # the actor's methods in this process (no Ray)
     sender = CudaIpcSender(cfg.weight_sync, "cuda")

@@ -229,6 +229,11 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
     raw["rollout"] = {"backend": "vllm"}
     with pytest.raises(NlaInputError, match=r"model.quantization: expected nf4 \(.* is saved quantised in NF4"):
         prepare_job(build_config({**raw, "model": {"path": str(bf16), "dtype": "bfloat16"}}, "t"), log=lambda *a: None)
+    # the merged engine loads the bf16 checkpoint and dequantises the learner's NF4 itself: nothing to load here
+    raw["rollout"] = {"backend": "vllm", "lora": "merged"}
+    with pytest.raises(NlaInputError, match=r"rollout.lora: expected adapter \(.* is saved quantised.*found merged"):
+        prepare_job(build_config({**raw, "model": {"path": str(bf16), "dtype": "bfloat16", "quantization": "nf4"}}, "t"),
+                    log=lambda *a: None)
 
 
 def test_a_config_without_architectures_is_refused_for_vllm_before_any_actor(tiny_dir, tmp_path):
