@@ -408,15 +408,7 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
     raw["model"]["dtype"] = "bfloat16"
     raw["placement"]["mode"] = "colocated"
     raw["critic"]["lora_r"] = 8
-    return build_config(raw, "gpu-test")
-
-
-def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
-    from learner.service import Learner
-    from rollout.vllm_engine import VllmEngine
-
-    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
+    cfg = build_config(raw, "gpu-test")
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
 
@@ -508,15 +500,7 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
                       engine_options={"enforce_eager": True}).model_dump(mode="python")
     raw["model"]["dtype"], raw["placement"]["mode"], raw["critic"]["lora_r"] = "bfloat16", "colocated", 8
     raw["weight_sync"] = {"kind": "cuda_ipc"}
-    return build_config(raw, "gpu-test")
-
-
-def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
-    from learner.service import Learner
-    from rollout.vllm_engine import VllmEngine
-
-    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
+    cfg = build_config(raw, "gpu-test")
     learner = Learner(cfg, spec, "cuda")
     actor = RolloutActor(cfg, spec, "vllm", "cuda")  # the actor's methods in this process (no Ray)
     sender = CudaIpcSender(cfg.weight_sync, "cuda")
