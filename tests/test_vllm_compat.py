@@ -130,3 +130,26 @@ def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
     expected = torch.tensor([int((logprobs[i] >= picked[i]).sum()) for i in range(5)])
     assert torch.equal(plain(logprobs, picked), expected)
     assert not eager_logprob_ranks(types.SimpleNamespace())  # gone in some version: nothing to do
+
+
+def test_a_forwarded_message_survives_the_engine_cores_msgpack_route():
+    """A cuda_ipc message handed on to an engine core in its own process travels as a utility call's
+    argument through vLLM's msgpack encoder and decoder. A dataclass comes out as something else (vLLM 0.26
+    on an H200: a dict, and the push failed in the worker); ``forwarded_message`` bytes come out whole."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    from rollout.vllm_compat import forwarded_message, received_message
+    from shared.weight_sync import AdapterMessage
+
+    message = AdapterMessage(kind="cuda_ipc", version=3, peft_config={"r": 8, "target_modules": ["q_proj"]},
+                             entries=[["a.lora_A.weight", [8, 64], "float32", 0, 2048]], nbytes=2048,
+                             payload=("rebuild", (b"\x00handle", 7, (8, 64))))
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+
+    def route(*args):
+        return decoder.decode(encoder.encode(("collective_rpc", args)))[1]
+
+    assert not isinstance(route(message)[0], AdapterMessage)
+    back = received_message(route(forwarded_message(message))[0])
+    assert back == message and isinstance(back, AdapterMessage)
+    assert received_message(b"safetensors bytes") is None and received_message({"a": 1}) is None
