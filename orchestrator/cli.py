@@ -351,7 +351,8 @@ def main(argv=None) -> int:
             print(write_plots(args.run_dir))
             return 0
     except NlaInputError as exc:
-        print(f"nla-grpo: error: {exc}", file=sys.stderr)
+        for line in str(exc).splitlines():  # several problems at once: a line each
+            print(f"nla-grpo: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
         from orchestrator.driver import interrupted_by

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from shared.errors import NlaInputError
 
@@ -494,12 +494,13 @@ class RunConfig(_Section):
         return raw
 
     @model_validator(mode="after")
-    def _combinations(self):
-        """Settings that validate one by one but cannot work together, or that placement cannot honour;
-        then ``weight_sync: auto`` becomes the variant the placement calls for."""
-        problem = combination_problem(self)
-        if problem:
-            raise ValueError(problem)
+    def _combinations(self, info: ValidationInfo):
+        """Settings that validate one by one but cannot work together, or that placement cannot honour (every
+        one of ``CROSS_FIELD_RULES`` the config breaks, a line each; the context ``{"rules": False}`` skips
+        them, for their tests); then ``weight_sync: auto`` becomes the variant the placement calls for."""
+        problems = cross_field_problems(self) if (info.context or {}).get("rules", True) else []
+        if problems:
+            raise ValueError("\n".join(problems))
         if self.weight_sync.kind == "auto":
             self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
         return self
@@ -512,81 +513,189 @@ def critic_rank(critic: CriticConfig) -> int | None:
     return None if critic.checkpoint else 0
 
 
-def combination_problem(cfg: RunConfig) -> str | None:
-    """The first rule ``cfg`` breaks across fields, as one line naming the fields; None when it breaks none."""
+# ---- rules across fields: one small function each, all checked, every broken one reported -------------------
+CROSS_FIELD_RULES: list = []
+
+
+def _rule(fn):
+    """Register ``fn(cfg) -> problem | None``: one rule that fields valid one by one can break together."""
+    CROSS_FIELD_RULES.append(fn)
+    return fn
+
+
+def cross_field_problems(cfg: RunConfig) -> list[str]:
+    """Every rule ``cfg`` breaks across fields, one line each naming the fields, in the rules' order."""
+    return [problem for rule in CROSS_FIELD_RULES if (problem := rule(cfg))]
+
+
+def _on_gpu(cfg) -> bool:
+    return cfg.placement.mode != "cpu"
+
+
+@_rule
+def evals_run_on_eval_steps(cfg):
     judged = [n for n in ("hallucination", "karvonen_confusion") if getattr(cfg.evals, n).enabled]
     if judged and not cfg.logging.eval_every:
         return f"evals.{judged[0]}.enabled runs on the eval steps: set logging.eval_every above 0"
-    p, r = cfg.placement, cfg.rollout
-    on_gpu = p.mode != "cpu"
-    if cfg.model.quantization != "none":
-        q = f"model.quantization={cfg.model.quantization}"
-        if not on_gpu:
-            return f"{q}: bitsandbytes NF4 needs CUDA GPUs; placement.mode=cpu runs an unquantised base (quantization: none)"
-        if cfg.model.dtype == "float32":
-            return (f"{q} with model.dtype=float32: NF4 computes in the model dtype, and vLLM's in-flight NF4 in bfloat16 "
-                    "would then differ from the learner's base; use bfloat16")
-        if cfg.critic.train and critic_rank(cfg.critic) == 0:
-            return f"{q} with critic.train and critic.lora_r=0: NF4 weights cannot be trained; give the critic a LoRA"
+
+
+@_rule
+def nf4_needs_gpus(cfg):
+    if cfg.model.quantization != "none" and not _on_gpu(cfg):
+        return (f"model.quantization={cfg.model.quantization}: bitsandbytes NF4 needs CUDA GPUs; placement.mode=cpu runs "
+                "an unquantised base (quantization: none)")
+
+
+@_rule
+def nf4_computes_in_16_bits(cfg):
+    if cfg.model.quantization != "none" and _on_gpu(cfg) and cfg.model.dtype == "float32":
+        return (f"model.quantization={cfg.model.quantization} with model.dtype=float32: NF4 computes in the model dtype, "
+                "and vLLM's in-flight NF4 in bfloat16 would then differ from the learner's base; use bfloat16")
+
+
+@_rule
+def nf4_critic_trains_a_lora(cfg):
+    if cfg.model.quantization != "none" and cfg.critic.train and critic_rank(cfg.critic) == 0:
+        return (f"model.quantization={cfg.model.quantization} with critic.train and critic.lora_r=0: NF4 weights cannot "
+                "be trained; give the critic a LoRA")
+
+
+@_rule
+def engine_base_comes_from_the_model_section(cfg):
     # the engines' base must be the learner's: these options are derived from model.* alone
-    owned = sorted({"quantization", "hf_overrides", "dtype", "model"} & set(r.engine_options))
+    owned = sorted({"quantization", "hf_overrides", "dtype", "model"} & set(cfg.rollout.engine_options))
     if owned:
         return (f"rollout.engine_options: {', '.join(owned)} must come from the model section (model.quantization, "
                 "model.dtype, model.path), so that every service runs the same base")
-    if r.backend == "vllm" and on_gpu and cfg.model.dtype == "float32":
+
+
+@_rule
+def vllm_on_gpus_computes_in_16_bits(cfg):
+    if cfg.rollout.backend == "vllm" and _on_gpu(cfg) and cfg.model.dtype == "float32":
         return ("model.dtype=float32 with the vLLM rollout on GPUs: vLLM's GPU LoRA kernels take only bfloat16 / float16 "
                 "(an assertion inside the first generate); use bfloat16")
+
+
+@_rule
+def sleep_needs_a_shared_gpu(cfg):
+    p, r = cfg.placement, cfg.rollout
     if r.sleep_during_update and (p.mode != "colocated" or r.backend != "vllm"):
         return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
                 f"{r.backend}): only a GPU shared with the learner gains from it")
+
+
+@_rule
+def own_process_is_vllms(cfg):
+    r = cfg.rollout
     if r.engine_core == "own_process" and r.backend != "vllm":
         return f"rollout.engine_core=own_process is vLLM's engine core process: needs rollout.backend=vllm, found {r.backend}"
-    if r.lora == "merged":
-        blockers = [(r.backend != "vllm", f"rollout.backend={r.backend}"),
-                    (cfg.weight_sync.kind == "file", "weight_sync.kind=file"),
-                    (r.tensor_parallel_size != 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}")]
-        why = next((name for hit, name in blockers if hit), None)
-        if why:
-            return (f"rollout.lora=merged with {why}: merging folds the adapter into one vLLM engine's own bf16 "
-                    "weights in its process (vLLM backend, one GPU per engine, a weight_sync other than file); "
-                    "use rollout.lora=adapter")
+
+
+@_rule
+def merged_needs_one_vllm_engine_per_gpu(cfg):
+    r = cfg.rollout
+    if r.lora != "merged":
+        return None
+    blockers = [name for hit, name in ((r.backend != "vllm", f"rollout.backend={r.backend}"),
+                                       (cfg.weight_sync.kind == "file", "weight_sync.kind=file"),
+                                       (r.tensor_parallel_size != 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}"))
+                if hit]
+    if blockers:
+        return (f"rollout.lora=merged with {', '.join(blockers)}: merging folds the adapter into one vLLM engine's own "
+                "bf16 weights in its process (vLLM backend, one GPU per engine, a weight_sync other than file); "
+                "use rollout.lora=adapter")
+
+
+@_rule
+def overlap_takes_one_epoch(cfg):
     if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:
         return ("grpo.overlap_rollout with learner.ppo_epochs > 1: later epochs recompute the old logprobs with the current "
                 "adapter and would drop the one-step staleness from the ratio; use ppo_epochs=1")
-    if cfg.grpo.overlap_rollout and r.sleep_during_update:
+
+
+@_rule
+def overlap_or_sleep(cfg):
+    if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update:
         return ("grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep through the rollout they are "
                 "meant to overlap with the update; choose one")
-    sync = cfg.weight_sync.kind
-    if sync == "file" and r.backend != "vllm":
-        return f"weight_sync.kind=file is how vLLM loads an adapter from disk: it needs rollout.backend=vllm, found {r.backend}"
-    if sync == "broadcast" and p.mode == "colocated":
+
+
+@_rule
+def file_sync_is_vllms(cfg):
+    if cfg.weight_sync.kind == "file" and cfg.rollout.backend != "vllm":
+        return (f"weight_sync.kind=file is how vLLM loads an adapter from disk: it needs rollout.backend=vllm, "
+                f"found {cfg.rollout.backend}")
+
+
+@_rule
+def broadcast_needs_two_gpus(cfg):
+    if cfg.weight_sync.kind == "broadcast" and cfg.placement.mode == "colocated":
         return ("weight_sync.kind=broadcast with placement.mode=colocated: NCCL cannot join two ranks on one GPU; "
                 "use auto (CUDA IPC) there")
-    if sync == "cuda_ipc" and p.mode != "colocated":
-        return (f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), found {p.mode}; "
+
+
+@_rule
+def cuda_ipc_needs_one_shared_gpu(cfg):
+    if cfg.weight_sync.kind == "cuda_ipc" and cfg.placement.mode != "colocated":
+        return (f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), found {cfg.placement.mode}; "
                 "use auto or host")
-    low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and on_gpu)
-    if cfg.critic.train and critic_rank(cfg.critic) == 0 and cfg.critic.checkpoint is None and low_precision:
+
+
+@_rule
+def full_critic_training_needs_fp32(cfg):
+    low_precision = cfg.model.dtype in ("bfloat16", "float16") or (cfg.model.dtype == "auto" and _on_gpu(cfg))
+    c = cfg.critic
+    # NF4 has its own rule (nf4_critic_trains_a_lora)
+    if c.train and critic_rank(c) == 0 and c.checkpoint is None and low_precision and cfg.model.quantization == "none":
         return ("critic.lora_r=0 with critic.train: full fine-tuning in 16-bit loses most updates (no fp32 master "
                 "weights); set critic.lora_r > 0 or model.dtype: float32")
+
+
+@_rule
+def one_gpu_per_learner_rank(cfg):
+    p = cfg.placement
     if p.learner_gpus > 1 or (p.mode == "split" and p.learner_gpus != 1):
         return (f"placement.learner_gpus: expected 1 (the learner runs as one process on one GPU), found {p.learner_gpus}: "
                 "more would be reserved and left idle, 0 would never schedule")
+
+
+@_rule
+def colocated_runs_one_learner_and_one_critic(cfg):
+    p = cfg.placement
     if p.mode == "colocated" and (p.learner_workers > 1 or p.critic_workers > 1):
         return (f"placement.mode=colocated runs one learner and one critic on the one shared GPU: expected "
                 f"placement.learner_workers=1 and critic_workers=1, found {p.learner_workers} and {p.critic_workers}; use split")
+
+
+@_rule
+def critic_ranks_share_learner_gpus(cfg):
+    p = cfg.placement
     if p.mode == "split" and not p.critic_own_gpu and p.critic_workers > p.learner_workers:
-        return (f"placement.critic_workers={p.critic_workers} beside {p.learner_workers} learner rank(s): each critic rank shares "
-                "a learner rank's GPU, so expected at most learner_workers; or set placement.critic_own_gpu")
-    if cfg.grpo.prompts_per_step * r.group_size < p.learner_workers:
-        return (f"placement.learner_workers={p.learner_workers} with {cfg.grpo.prompts_per_step * r.group_size} samples per step "
+        return (f"placement.critic_workers={p.critic_workers} beside {p.learner_workers} learner rank(s): each critic rank "
+                "shares a learner rank's GPU, so expected at most learner_workers; or set placement.critic_own_gpu")
+
+
+@_rule
+def every_learner_rank_gets_a_sample(cfg):
+    samples = cfg.grpo.prompts_per_step * cfg.rollout.group_size
+    if samples < cfg.placement.learner_workers:
+        return (f"placement.learner_workers={cfg.placement.learner_workers} with {samples} samples per step "
                 "(grpo.prompts_per_step x rollout.group_size): every rank needs at least one sample")
-    if p.critic_own_gpu and p.mode != "split":
-        return f"placement.critic_own_gpu needs placement.mode=split (found {p.mode}): elsewhere the critic has no GPU of its own"
-    if p.mode == "colocated" and (r.num_engines != 1 or r.tensor_parallel_size != 1):
+
+
+@_rule
+def critic_own_gpu_needs_split(cfg):
+    if cfg.placement.critic_own_gpu and cfg.placement.mode != "split":
+        return (f"placement.critic_own_gpu needs placement.mode=split (found {cfg.placement.mode}): elsewhere the critic "
+                "has no GPU of its own")
+
+
+@_rule
+def colocated_runs_one_engine(cfg):
+    r = cfg.rollout
+    if cfg.placement.mode == "colocated" and (r.num_engines != 1 or r.tensor_parallel_size != 1):
         return (f"placement.mode=colocated runs one vLLM engine on the one shared GPU: expected rollout.num_engines=1 and "
                 f"rollout.tensor_parallel_size=1, found {r.num_engines} and {r.tensor_parallel_size}; use split")
-    return None
 
 
 def _describe_error(err: dict) -> str:
@@ -663,8 +772,8 @@ def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -
     raw = apply_overrides(raw, overrides)
     try:
         return RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise NlaInputError(source, _describe_error(exc.errors()[0])) from None
+    except ValidationError as exc:  # every field's problem, a line each (rules across fields once the fields are valid)
+        raise NlaInputError(source, "\n".join(_describe_error(err) for err in exc.errors())) from None
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

@@ -26,7 +26,8 @@ class NlaInputError(Exception):
     def __init__(self, where: str, problem: str):
         self.where = str(where)
         self.problem = problem
-        super().__init__(f"{self.where}: {problem}")
+        # several problems (a config breaking several rules): one line each, each naming where
+        super().__init__("\n".join(f"{self.where}: {line}" for line in problem.splitlines() or [""]))
 
     def __reduce__(self):  # Exception pickles its message alone; this type needs both parts back
         return type(self), (self.where, self.problem)

@@ -1,0 +1,93 @@
+"""The rules across fields (``shared.config.CROSS_FIELD_RULES``): each breaks on its own case and on no
+other rule's, and a config breaking several is refused with every problem, a line each."""
+import pytest
+
+from conftest import ROOT, run_cli
+from shared.config import CROSS_FIELD_RULES, RunConfig, build_config
+from shared.errors import NlaInputError
+
+GPU = {"placement": {"mode": "colocated"}, "model": {"dtype": "bfloat16"}}
+
+
+def _with(base: dict, **sections) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for section, values in sections.items():
+        out.setdefault(section, {}).update(values)
+    return out
+
+
+# one config per rule that breaks that rule alone
+CASES = {
+    "evals_run_on_eval_steps": {"evals": {"hallucination": {"enabled": True}, "judge": {"model": "judge"}},
+                                "logging": {"eval_every": 0}},
+    "nf4_needs_gpus": {"model": {"quantization": "nf4"}},
+    "nf4_computes_in_16_bits": _with(GPU, model={"quantization": "nf4", "dtype": "float32"}, rollout={"backend": "hf"}),
+    "nf4_critic_trains_a_lora": _with(GPU, model={"quantization": "nf4"}, critic={"train": True, "lora_r": 0}),
+    "engine_base_comes_from_the_model_section": {"rollout": {"engine_options": {"dtype": "half"}}},
+    "vllm_on_gpus_computes_in_16_bits": _with(GPU, model={"dtype": "float32"}),
+    "sleep_needs_a_shared_gpu": {"rollout": {"sleep_during_update": True}},
+    "own_process_is_vllms": {"rollout": {"backend": "hf", "engine_core": "own_process"}},
+    "merged_needs_one_vllm_engine_per_gpu": {"rollout": {"backend": "hf", "lora": "merged"}},
+    "overlap_takes_one_epoch": {"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}},
+    "overlap_or_sleep": _with(GPU, grpo={"overlap_rollout": True}, rollout={"sleep_during_update": True}),
+    "file_sync_is_vllms": {"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}},
+    "broadcast_needs_two_gpus": _with(GPU, weight_sync={"kind": "broadcast"}),
+    "cuda_ipc_needs_one_shared_gpu": {"weight_sync": {"kind": "cuda_ipc"}},
+    "full_critic_training_needs_fp32": _with(GPU, critic={"train": True, "lora_r": 0}),
+    "one_gpu_per_learner_rank": {"placement": {"learner_gpus": 2}},
+    "colocated_runs_one_learner_and_one_critic": _with(GPU, placement={"mode": "colocated", "learner_workers": 2}),
+    "critic_ranks_share_learner_gpus": _with(GPU, placement={"mode": "split", "critic_workers": 2}),
+    "every_learner_rank_gets_a_sample": {"placement": {"learner_workers": 3}, "grpo": {"prompts_per_step": 1},
+                                         "rollout": {"group_size": 2}},
+    "critic_own_gpu_needs_split": {"placement": {"critic_own_gpu": True}},
+    "colocated_runs_one_engine": _with(GPU, rollout={"num_engines": 2}),
+}
+
+
+def test_every_rule_has_its_case():
+    assert set(CASES) == {rule.__name__ for rule in CROSS_FIELD_RULES}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_rule_breaks_alone_and_is_refused_in_one_line(name):
+    cfg = RunConfig.model_validate(CASES[name], context={"rules": False})
+    broken = {rule.__name__: rule(cfg) for rule in CROSS_FIELD_RULES if rule(cfg)}
+    assert list(broken) == [name]
+    with pytest.raises(NlaInputError) as err:
+        build_config(CASES[name], "job.yaml")
+    assert str(err.value) == f"job.yaml: {broken[name]}"
+
+
+def test_the_default_config_breaks_no_rule():
+    cfg = RunConfig.model_validate({}, context={"rules": False})
+    assert [rule.__name__ for rule in CROSS_FIELD_RULES if rule(cfg)] == []
+
+
+THREE = {"rollout": {"sleep_during_update": True, "engine_options": {"dtype": "half"}},
+         "placement": {"critic_own_gpu": True}}
+
+
+def test_several_broken_rules_are_reported_together():
+    with pytest.raises(NlaInputError) as err:
+        build_config(THREE, "job.yaml")
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3 and all(line.startswith("job.yaml: ") for line in lines)
+    assert [l.split(": ")[1].split(" ")[0] for l in lines] == ["rollout.engine_options", "rollout.sleep_during_update",
+                                                               "placement.critic_own_gpu"]
+
+
+def test_config_check_prints_every_problem_a_line_each(tmp_path):
+    import yaml
+
+    bad = tmp_path / "three.yaml"
+    bad.write_text(yaml.safe_dump(THREE))
+    res = run_cli("config", "check", bad)
+    lines = [l for l in res.stderr.splitlines() if l.strip()]
+    assert res.returncode == 2 and res.stdout == "" and len(lines) == 3, res.stderr
+    assert all(l.startswith(f"nla-grpo: error: {bad}: ") for l in lines)
+    # fields that fail on their own are reported together as well
+    fields = run_cli("config", "check", ROOT / "deploy/tiny.yaml", "--set", "grpo.steps=0", "--set", "learner.lrr=1",
+                     "--set", "rollout.group_size=1")
+    lines = [l for l in fields.stderr.splitlines() if l.strip()]
+    assert fields.returncode == 2 and len(lines) == 3, fields.stderr
+    assert {l.split(": ")[3] for l in lines} == {"grpo.steps", "learner.lrr", "rollout.group_size"}
