@@ -280,7 +280,7 @@ class PlacementConfig(_Section):
     mode: Literal["cpu", "colocated", "split"] = "cpu"
     """cpu: no GPUs; colocated: everything on one GPU; split: rollout engines on their own GPUs."""
     learner_gpus: int = Field(1, ge=0, le=64)
-    """GPUs per learner rank in split mode (one: a rank is one process on one GPU)."""
+    """GPUs per learner rank: 1 on GPU placements (a rank is one process on one GPU); 0 or 1 on the CPU."""
     learner_workers: int = Field(1, ge=1, le=512)
     """Data-parallel learner ranks (one Ray actor and, in split mode, one GPU each): the batch is sharded
     by sample, gradients are summed, every rank takes the same step."""
@@ -654,9 +654,18 @@ def full_critic_training_needs_fp32(cfg):
 @_rule
 def one_gpu_per_learner_rank(cfg):
     p = cfg.placement
-    if p.learner_gpus > 1 or (p.mode == "split" and p.learner_gpus != 1):
+    if p.learner_gpus > 1 or (p.mode != "cpu" and p.learner_gpus != 1):
         return (f"placement.learner_gpus: expected 1 (the learner runs as one process on one GPU), found {p.learner_gpus}: "
                 "more would be reserved and left idle, 0 would never schedule")
+
+
+@_rule
+def tensor_parallel_is_vllms_on_gpus(cfg):
+    r = cfg.rollout
+    if r.tensor_parallel_size > 1 and (r.backend != "vllm" or not _on_gpu(cfg)):
+        where = "placement.mode=cpu" if not _on_gpu(cfg) else f"rollout.backend={r.backend}"
+        return (f"rollout.tensor_parallel_size={r.tensor_parallel_size} with {where}: only a vLLM engine on GPUs splits "
+                "the model over several; elsewhere the GPUs would be reserved and left idle, or the setting ignored")
 
 
 @_rule

@@ -35,6 +35,7 @@ CASES = {
     "cuda_ipc_needs_one_shared_gpu": {"weight_sync": {"kind": "cuda_ipc"}},
     "full_critic_training_needs_fp32": _with(GPU, critic={"train": True, "lora_r": 0}),
     "one_gpu_per_learner_rank": {"placement": {"learner_gpus": 2}},
+    "tensor_parallel_is_vllms_on_gpus": {"rollout": {"tensor_parallel_size": 2}},
     "colocated_runs_one_learner_and_one_critic": _with(GPU, placement={"mode": "colocated", "learner_workers": 2}),
     "critic_ranks_share_learner_gpus": _with(GPU, placement={"mode": "split", "critic_workers": 2}),
     "every_learner_rank_gets_a_sample": {"placement": {"learner_workers": 3}, "grpo": {"prompts_per_step": 1},
@@ -91,3 +92,16 @@ def test_config_check_prints_every_problem_a_line_each(tmp_path):
     lines = [l for l in fields.stderr.splitlines() if l.strip()]
     assert fields.returncode == 2 and len(lines) == 3, fields.stderr
     assert {l.split(": ")[3] for l in lines} == {"grpo.steps", "learner.lrr", "rollout.group_size"}
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"placement": {"mode": "colocated", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
+    ({"placement": {"mode": "split", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
+    ({"placement": {"mode": "split"}, "rollout": {"backend": "hf", "tensor_parallel_size": 2}},
+     "rollout.tensor_parallel_size=2 with rollout.backend=hf"),
+])
+def test_placement_settings_that_would_be_ignored_are_refused(change, needle):
+    raw = _with(GPU, **change)
+    with pytest.raises(NlaInputError, match=needle):
+        build_config(raw)
+    assert build_config({"placement": {"learner_gpus": 0}}).placement.learner_gpus == 0  # the CPU needs no GPU
