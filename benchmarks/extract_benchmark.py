@@ -4,7 +4,7 @@ The model is the random 8B-shape checkpoint ``step_benchmark.py`` builds (reused
 directory exists); the corpus is generated words, each document cut to ``--doc-tokens`` tokens. The
 extraction runs the model cut after ``--layer`` (the default 24 keeps 25 of its 36 blocks), bf16.
 
-    python benchmarks/extract_benchmark.py --out benchmarks/h200-extract.json
+    python benchmarks/extract_benchmark.py --out benchmarks/results/h200-extract.json
     python benchmarks/extract_benchmark.py --device cpu --docs 64 --out /tmp/extract-cpu.json   # checks the script
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--doc-tokens", type=int, default=512)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--out", default="benchmarks/h200-extract.json")
+    ap.add_argument("--out", default="benchmarks/results/h200-extract.json")
     args = ap.parse_args()
 
     from transformers import AutoTokenizer

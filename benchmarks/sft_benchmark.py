@@ -21,7 +21,7 @@ counted as the stages' docstrings do: 4·N per executed token with a LoRA on a f
 without the adapters (embedding table included, as everywhere in these benchmarks). MFU is that rate
 over the median of timed 8192³ bf16 ``torch.matmul``s (the larger of a reading before and after).
 
-    python benchmarks/sft_benchmark.py --steps 4 --out benchmarks/h200-sft.json
+    python benchmarks/sft_benchmark.py --steps 4 --out benchmarks/results/h200-sft.json
     python benchmarks/sft_benchmark.py --dry-run-cpu --steps 2 --out /tmp/sft-cpu.json
 """
 from __future__ import annotations
@@ -229,7 +229,7 @@ def main() -> int:
     ap.add_argument("--ar-micro-batch", default="16", help="critic.micro_batch, or several comma-separated")
     ap.add_argument("--stages", default="av,ar")
     ap.add_argument("--gemm-n", type=int, default=8192)
-    ap.add_argument("--out", default="benchmarks/h200-sft.json")
+    ap.add_argument("--out", default="benchmarks/results/h200-sft.json")
     ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
     args = ap.parse_args()
     if args.dry_run_cpu:

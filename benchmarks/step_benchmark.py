@@ -18,7 +18,7 @@ All services run in this one process (vLLM's engine in-process too), sharing the
 ``colocated`` placement. Responses are forced to ``--new-tokens`` (random weights rarely stop).
 Prints a markdown table and writes JSON to ``--out``.
 
-    python benchmarks/step_benchmark.py --out benchmarks/h200.json
+    python benchmarks/step_benchmark.py --out benchmarks/results/h200.json
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def add_workload_args(ap, steps: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(ap, steps=3)
-    ap.add_argument("--out", default="benchmarks/h200.json")
+    ap.add_argument("--out", default="benchmarks/results/h200.json")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-old-update", action="store_true", help="do not also time the padded (pre-packing) update")

@@ -6,7 +6,7 @@ reward and FVE and its held-out eval FVE. vLLM sleep stays off: it checks the wh
 memory and asserts when another job allocates meanwhile (sleep restores the same weights, so the
 learning is the same):
 
-    python benchmarks/tiny_spread.py TINY_DIR --seeds 0,1,2 --steps 250 --out benchmarks/h200-tiny-spread.json
+    python benchmarks/tiny_spread.py TINY_DIR --seeds 0,1,2 --steps 250 --out benchmarks/results/h200-tiny-spread.json
 """
 from __future__ import annotations
 

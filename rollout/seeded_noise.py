@@ -3,7 +3,7 @@
 Every rollout request carries its own seed (a row's samples depend only on the run's seed and the
 row). vLLM 0.26 samples such requests by drawing each row's exponential noise with the request's
 ``torch.Generator``: one kernel launch per request per decode step. At 1,024 running samples on an
-H200 that loop took 57 of the step's 80 ms (``benchmarks/h200-rollout-profile-adapter.json``).
+H200 that loop took 57 of the step's 80 ms (``benchmarks/results/h200-rollout-profile-adapter.json``).
 
 Here a seeded row's noise is a counter-based hash of (row key, vocabulary index), for all rows in one
 kernel. The row key mixes the request's seed with its generator's position, which vLLM moves by

