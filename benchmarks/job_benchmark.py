@@ -99,6 +99,22 @@ def job_config(root: Path, args) -> dict:
     }
 
 
+# the options that pick one value of a config field: flag, choices, default, what it sets
+CHOICES = [
+    ("--route", ["auto", "host", "cuda_ipc", "broadcast", "file"], "auto",
+     "weight_sync.kind (broadcast: NCCL, split only; cuda_ipc: colocated only)"),
+    ("--injection", ["embed", "karvonen"], "embed", "injection.mode (karvonen: the injecting model class, compiled like embed)"),
+    ("--optimizer", ["auto", "adamw", "adamw8bit"], "adamw", "learner.optimizer (adamw: what every figure before bitsandbytes used)"),
+    ("--shape", ["qwen3-8b", "qwen3-32b"], "qwen3-8b",
+     "qwen3-32b: 64 blocks, hidden 5120, written pre-quantised in NF4 (needs --quantization nf4 and its own --workdir)"),
+    ("--quantization", ["none", "nf4"], "none",
+     "model.quantization (nf4: every service's base in bitsandbytes NF4; vLLM in flight, or dequantised with --lora merged)"),
+    ("--lora", ["adapter", "merged"], "adapter", "rollout.lora (merged: the adapter folded into vLLM's weights at each push)"),
+    ("--engine-core", ["in_actor", "own_process"], "in_actor",
+     "rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own"),
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--placement", choices=["colocated", "split", "cpu"], default="colocated",
@@ -108,22 +124,10 @@ def main() -> int:
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
     ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
-    ap.add_argument("--route", choices=["auto", "host", "cuda_ipc", "broadcast", "file"], default="auto",
-                    help="weight_sync.kind (broadcast: NCCL, split only; cuda_ipc: colocated only)")
-    ap.add_argument("--injection", choices=["embed", "karvonen"], default="embed",
-                    help="injection.mode (karvonen: the injecting model class, compiled like embed)")
-    ap.add_argument("--optimizer", choices=["auto", "adamw", "adamw8bit"], default="adamw",
-                    help="learner.optimizer (adamw: what every figure before bitsandbytes used)")
-    ap.add_argument("--shape", choices=["qwen3-8b", "qwen3-32b"], default="qwen3-8b",
-                    help="qwen3-32b: 64 blocks, hidden 5120, written pre-quantised in NF4 (needs --quantization nf4 and its own --workdir)")
-    ap.add_argument("--quantization", choices=["none", "nf4"], default="none",
-                    help="model.quantization (nf4: every service's base in bitsandbytes NF4, vLLM in flight)")
+    for flag, choices, default, text in CHOICES:
+        ap.add_argument(flag, choices=choices, default=default, help=text)
     ap.add_argument("--no-prefix-caching", action="store_true",
                     help="rollout.prefix_caching false: every sample prefills its own prompt (the earlier figures)")
-    ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter",
-                    help="rollout.lora (merged: the adapter folded into vLLM's weights at each push)")
-    ap.add_argument("--engine-core", choices=["in_actor", "own_process"], default="in_actor",
-                    help="rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own")
     ap.add_argument("--nf4-fp32-modules", action="store_true",
                     help="learner.nf4_fp32_modules: the NF4 learner's norms, embeddings and head in fp32 (PEFT's kbit recipe)")
     ap.add_argument("--tis-cap", type=float, default=None, help="grpo.tis_cap (token-level truncated importance sampling)")

@@ -57,12 +57,7 @@ def main() -> int:
     ap.add_argument("--variants", default="padded,packed,packed_unshared")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--profile", help="write a torch-profiler table of one packed update here")
-    ap.add_argument("--out", default="benchmarks/results/h200-learner.json")
-    ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
-    args = ap.parse_args()
-    if args.dry_run_cpu:
-        step_benchmark.DEVICE = "cpu"
-        args.layers = min(args.layers, 4)
+    args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-learner.json")
     dev = step_benchmark.DEVICE
     import torch
 

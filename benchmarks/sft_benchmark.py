@@ -229,12 +229,8 @@ def main() -> int:
     ap.add_argument("--ar-micro-batch", default="16", help="critic.micro_batch, or several comma-separated")
     ap.add_argument("--stages", default="av,ar")
     ap.add_argument("--gemm-n", type=int, default=8192)
-    ap.add_argument("--out", default="benchmarks/results/h200-sft.json")
-    ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
-    args = ap.parse_args()
+    args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-sft.json")
     if args.dry_run_cpu:
-        step_benchmark.DEVICE = "cpu"
-        args.layers = min(args.layers, 4)
         args.gemm_n = min(args.gemm_n, 512)
     dev = step_benchmark.DEVICE
     shape = step_benchmark.SMALL if args.dry_run_cpu else step_benchmark.QWEN3_8B

@@ -166,21 +166,30 @@ def add_workload_args(ap, steps: int) -> None:
     ap.add_argument("--vllm-mem", type=vllm_mem_arg, default=0.35, help="vLLM's share of the GPU when it shares one, or auto")
 
 
+def parse_with_dry_run(ap, out: str):
+    """``--out`` (default ``out``) and ``--dry-run-cpu`` added, the arguments parsed; a dry run moves the
+    benchmarks to the CPU (``DEVICE``) with at most 4 decoder layers."""
+    global DEVICE
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
+    args = ap.parse_args()
+    if args.dry_run_cpu:
+        DEVICE = "cpu"
+        args.layers = min(args.layers, 4)
+    return args
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(ap, steps=3)
-    ap.add_argument("--out", default="benchmarks/results/h200.json")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-old-update", action="store_true", help="do not also time the padded (pre-packing) update")
     ap.add_argument("--transport", choices=["memory", "file"], default="memory",
                     help="how the engine registers the adapter: in memory, or from a PEFT directory (weight_sync.kind: file)")
-    ap.add_argument("--dry-run-cpu", action="store_true", help="a small model on the CPU, to check the script")
-    args = ap.parse_args()
-    global DEVICE
+    args = parse_with_dry_run(ap, "benchmarks/results/h200.json")
     if args.dry_run_cpu:
-        DEVICE = "cpu"
-        args.layers, args.critic_layers = min(args.layers, 4), min(args.critic_layers, 3)
+        args.critic_layers = min(args.critic_layers, 3)
 
     # in-process engine: the in-memory adapter push then stays inside this process
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

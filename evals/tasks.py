@@ -108,21 +108,11 @@ class KarvonenConfusionEval(JudgedEval):
 # ---- the items, chosen once before any actor starts ----------------------------------------------
 def source_texts(parquet: str, column: str, row_ids) -> list[str]:
     """The ``column`` strings of ``row_ids``; one line naming the parquet and the column when absent."""
-    import pyarrow.parquet as pq
+    from shared.data import read_text_column
 
-    pf = pq.ParquetFile(parquet)
-    names = pf.schema_arrow.names
-    if column not in names:
-        raise NlaInputError(parquet, f"evals.hallucination needs column '{column}' (the source text behind each activation; "
-                                     f"evals.hallucination.text_column names another), found columns {names}")
-    values = pf.read(columns=[column]).column(column).to_pylist()
-    out = []
-    for r in row_ids:
-        text = values[int(r)]
-        if not isinstance(text, str) or not text.strip():
-            raise NlaInputError(parquet, f"row {int(r)}, column '{column}': expected the source text, found {text!r}")
-        out.append(text)
-    return out
+    return read_text_column(parquet, column, row_ids, f"evals.hallucination needs column '{column}' (the source text "
+                            "behind each activation; evals.hallucination.text_column names another), found columns {names}",
+                            "the source text")
 
 
 def read_confusion_records(path: str, d_model: int) -> list[dict]:

@@ -16,17 +16,13 @@ from pathlib import Path
 
 import torch
 
+from learner.checkpoint import (ADAPTER_CONFIG, ADAPTER_FILE, OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_DIR,
+                                REFERENCE_RECORD, RNG_FILE, read_state, write_state)
 from learner.grpo import grpo_loss, logprob_mismatch, tis_weights
 from learner.policy import POLICY, REFERENCE, Policy
 from shared.collective import GradientSums
 
 QUANTUM_TOKENS = 512  # the smallest per-rank token budget under micro_batch auto
-CHECKPOINT_FORMAT = 1
-STATE_FILE = "learner_state.json"
-OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
-RNG_FILE = "rng.safetensors"
-ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-REFERENCE_RECORD = "reference.json"  # where a checkpoint points at the run's frozen reference adapter
 
 
 @dataclass
@@ -439,20 +435,18 @@ class Learner:
     def save(self, directory, reference: str | None = None) -> Path:
         """Policy adapter, optimiser state, RNG, step and version, atomically; the frozen reference adapter
         too, or, given ``reference`` (a directory ``save_reference`` wrote), a record pointing at it."""
-        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_json, write_reference
+        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
 
         with atomic_directory(directory) as tmp:
-            self._save_adapter(POLICY, tmp / "policy")
+            self._save_adapter(POLICY, tmp / POLICY_DIR)
             if reference is None:
-                self._save_adapter(REFERENCE, tmp / "reference")
+                self._save_adapter(REFERENCE, tmp / REFERENCE_DIR)
             else:
                 # relative to the final directory, which sits where ``tmp`` does
                 write_reference(tmp / REFERENCE_RECORD, reference, [ADAPTER_FILE, ADAPTER_CONFIG])
             save_optimizer(tmp, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META)
             save_tensors(tmp / RNG_FILE, capture_rng())
-            write_json(tmp / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": self.step, "version": self.version,
-                                          "injection_mode": self.cfg.injection.mode,
-                                          "micro_batch_tokens": self.micro_batch_tokens})
+            write_state(tmp, self.step, self.version, self.cfg.injection.mode, self.micro_batch_tokens)
         return Path(directory)
 
     def save_reference(self, directory) -> Path:
@@ -489,24 +483,17 @@ class Learner:
 
     def load(self, directory) -> None:
         """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
-        from shared.fileio import load_optimizer, load_tensors, read_json_object, resolve_reference, restore_rng
+        from shared.fileio import load_optimizer, load_tensors, resolve_reference, restore_rng
 
         d = Path(directory)
-        if not (d / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{d}: not a learner checkpoint (no {STATE_FILE})")
-        state = read_json_object(d / STATE_FILE)
-        if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"{d / STATE_FILE}: expected format {CHECKPOINT_FORMAT}, found {state.get('format')!r}")
-        if state.get("injection_mode") != self.cfg.injection.mode:
-            raise ValueError(f"{d / STATE_FILE}: saved with injection mode {state.get('injection_mode')!r}, "
-                             f"this run uses {self.cfg.injection.mode!r}")
+        state = read_state(d, self.cfg.injection.mode)
         # first: it checks that the saved parameters are this adapter's before anything is overwritten
         load_optimizer(d, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
-        self._load_adapter(POLICY, d / "policy" / ADAPTER_FILE)
+        self._load_adapter(POLICY, d / POLICY_DIR / ADAPTER_FILE)
         # the reference is the run's initial adapter: restored from the checkpoint (a copy, or the frozen
         # file its record points at, checked against its SHA-256), never trained
-        if (d / "reference").is_dir():
-            self._load_adapter(REFERENCE, d / "reference" / ADAPTER_FILE)
+        if (d / REFERENCE_DIR).is_dir():
+            self._load_adapter(REFERENCE, d / REFERENCE_DIR / ADAPTER_FILE)
         else:
             self._load_adapter(REFERENCE, resolve_reference(d / REFERENCE_RECORD) / ADAPTER_FILE)
         restore_rng(load_tensors(d / RNG_FILE))

@@ -17,6 +17,7 @@ import numpy as np
 from orchestrator.groups import RankFailure
 from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
+from orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
 from orchestrator.metrics import eval_metrics, sample_metrics
 from orchestrator.run_dir import RunDir
@@ -219,18 +220,16 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     if by_reference and not cfg.critic.train:
         write_frozen_record(tmp / FROZEN_RECORD, cfg.critic.checkpoint)
     else:
-        services.critic.save(str(tmp / "critic"))
+        services.critic.save(str(tmp / CRITIC_DIR))
     if by_reference:
         if not run.frozen_reference.is_dir():
             services.learner.save_reference(str(run.frozen_reference))
-        services.learner.save(str(tmp / "policy"), str(run.frozen_reference))
+        services.learner.save(str(tmp / POLICY_DIR), str(run.frozen_reference))
     else:
-        services.learner.save(str(tmp / "policy"))
+        services.learner.save(str(tmp / POLICY_DIR))
     feed.save(tmp)
     # the config and the data it was written with: resume refuses to continue on anything else
-    state = {"step": step, "order": order.state(), "adapter_version": version,
-             "config": cfg.model_dump(mode="json"), "data": job.data_fingerprint}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    RunState(step, order.state(), version, cfg.model_dump(mode="json"), job.data_fingerprint).write(tmp)
     return tmp
 
 
@@ -248,12 +247,12 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     start, phase = 0, "resume"
     try:
         if resume_from is not None:
-            state = json.loads((resume_from / "state.json").read_text())
-            if (resume_from / "critic").is_dir():  # else a frozen critic: the one the config built (checked at start-up)
-                services.critic.load(str(resume_from / "critic"))
-            services.learner.load(str(resume_from / "policy"))
-            order = order_from_state(state["order"])
-            start = int(state["step"])
+            state = RunState.read(resume_from)
+            if (resume_from / CRITIC_DIR).is_dir():  # else a frozen critic: the one the config built (checked at start-up)
+                services.critic.load(str(resume_from / CRITIC_DIR))
+            services.learner.load(str(resume_from / POLICY_DIR))
+            order = order_from_state(state.order)
+            start = state.step
             log(f"[resume] from {resume_from} at step {start}")
         feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)
         if resume_from is not None:

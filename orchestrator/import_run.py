@@ -167,14 +167,14 @@ def import_run(iter_dir, av_sft, config, run_dir, overrides=(), log=print) -> Pa
 
 
 def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[str], state: dict, log):
-    import json
-
     import torch
     from safetensors import safe_open
 
     from critic.checkpoint import FROZEN_RECORD, META_NAME, WEIGHTS_NAME, write_frozen_record
     from critic.import_reference import import_reference_ar
-    from learner.service import CHECKPOINT_FORMAT, OPTIMIZER_META, OPTIMIZER_TENSORS, REFERENCE_RECORD, RNG_FILE, STATE_FILE
+    from learner.checkpoint import OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_RECORD, RNG_FILE, write_state
+    from orchestrator.checkpoint import CRITIC_DIR, RunState
+    from orchestrator.checkpoint import POLICY_DIR as LEARNER_DIR
     from orchestrator.job import absolute_paths, prepare_job
     from shared.config import build_config, dump_config, load_config
     from shared.data import ReferenceOrder
@@ -229,10 +229,10 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
     optim, optim_class, more = _actor_optimizer(sd, names, sizes, cfg.learner.lr, iter_dir / TRAINING_STATE)
     notes += more
     ckpt = run / "checkpoints" / f"step_{step:06d}"
-    policy = ckpt / "policy"
-    (policy / "policy").mkdir(parents=True)
+    policy = ckpt / LEARNER_DIR
+    (policy / POLICY_DIR).mkdir(parents=True)
     for name in ADAPTER_FILES:
-        shutil.copy2(imported / "policy" / name, policy / "policy" / name)
+        shutil.copy2(imported / "policy" / name, policy / POLICY_DIR / name)
     frozen = run / "frozen" / "reference"
     _copy_adapter(imported / "av_sft", frozen)
     write_reference(policy / REFERENCE_RECORD, frozen, list(ADAPTER_FILES))
@@ -243,14 +243,13 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
     for i, s in enumerate(state.get("cuda_rng_state_all") or []):
         rng[f"cuda.{i}"] = s
     save_tensors(policy / RNG_FILE, rng)
-    write_json(policy / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": step, "version": step + 1,
-                                     "injection_mode": cfg.injection.mode, "micro_batch_tokens": None})
+    write_state(policy, step, step + 1, cfg.injection.mode, None)
 
     # ---- the critic ----
     if cfg.critic.train:
-        (ckpt / "critic").mkdir()
+        (ckpt / CRITIC_DIR).mkdir()
         for name in (WEIGHTS_NAME, META_NAME):
-            shutil.copy2(Path(cfg.critic.checkpoint) / name, ckpt / "critic" / name)
+            shutil.copy2(Path(cfg.critic.checkpoint) / name, ckpt / CRITIC_DIR / name)
         if state.get("critic_optim_state"):
             notes.append("critic optimiser: its AdamW moments restart at zero (this critic's value head has a bias the "
                          "reference's lacks, so the parameter lists differ)")
@@ -260,9 +259,8 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
                  "differ from those the reference run would have sampled")
 
     # ---- the run directory ----
-    (ckpt / "state.json").write_text(json.dumps({
-        "step": step, "order": order.state(), "adapter_version": step + 1, "config": job.cfg.model_dump(mode="json"),
-        "data": job.data_fingerprint, "imported_from": str(iter_dir.resolve())}, indent=1))
+    RunState(step, order.state(), step + 1, job.cfg.model_dump(mode="json"), job.data_fingerprint,
+             imported_from=str(iter_dir.resolve())).write(ckpt)
     (run / "checkpoints").mkdir(exist_ok=True)
     write_text(run / "config.yaml", dump_config(cfg))
     return ckpt, notes

@@ -4,7 +4,6 @@ A bad config or bad data stops here with the foundation's one-line errors.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 
@@ -96,14 +95,17 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
     ``changed``: fields this resume's ``--set`` changes on purpose."""
     from critic.checkpoint import FROZEN_RECORD, check_frozen_record
 
-    state = json.loads((ckpt / "state.json").read_text())
+    from orchestrator.checkpoint import RunState
+
+    state = RunState.read(ckpt)
+
     def flat(d, prefix=""):
         out = {}
         for k, v in d.items():
             out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
         return out
 
-    saved = state.get("config")
+    saved = state.config
     if saved is not None:
         from shared.config import upgrade_saved_config
 
@@ -119,7 +121,7 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
             if not key.startswith(RESUME_MAY_CHANGE) and key not in changed and now.get(key) != then.get(key):
                 raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
                                            "a resumed run continues exactly, so it cannot change (start a new run instead)")
-    data = state.get("data")
+    data = state.data
     if data is not None and job.data_fingerprint is not None and data != job.data_fingerprint:
         changed = [k for k in data if data.get(k) != job.data_fingerprint.get(k)]
         raise NlaInputError(where, f"the data differ from the checkpoint's ({', '.join(changed)} changed): a resumed run "

@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-PENDING_FILE = "pending_rollout.json"
+from orchestrator.checkpoint import PENDING_FILE
+
 
 
 @dataclass

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
+from orchestrator.checkpoint import checkpoint_problem, is_checkpoint
 from shared.config import RunConfig, build_config, dump_config, read_yaml, upgrade_saved_config
 from shared.errors import NlaInputError
 from shared.fileio import jsonable, write_text
 
 
 LOCK_FILE = ".lock"
-# what every checkpoint holds (learner.service and critic.scoring write the rest)
-# each a file, or one of several (a frozen critic is a record, not a copy)
-REQUIRED_PARTS = ("state.json", "policy/learner_state.json", ("critic/critic_meta.json", "critic.json"))
 _HELD: list[int] = []  # lock file descriptors this process holds
 
 
@@ -30,7 +27,7 @@ def _json_safe(obj):
 
 
 class RunDir:
-    required_parts = REQUIRED_PARTS  # what a loadable checkpoint of this kind of run holds
+    required_parts: tuple | None = None  # what a loadable checkpoint of this kind of run holds; None: an RL run's
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -150,38 +147,13 @@ class RunDir:
         if not self.checkpoints.is_dir():
             return []
         # only step_NNNNNN directories count (a stray copy such as step_000004.bak is not a checkpoint)
-        done = [p for p in self.checkpoints.iterdir() if p.is_dir() and re.fullmatch(r"step_\d{6,}", p.name)
-                and (p / "state.json").is_file()]
+        done = [p for p in self.checkpoints.iterdir() if is_checkpoint(p)]
         return sorted(done, key=lambda p: int(p.name.split("_")[1]))
 
     def checkpoint_problem(self, ckpt: Path) -> str | None:
-        """Why ``ckpt`` cannot be loaded (a missing part, JSON that does not parse, a safetensors file
-        whose header or size is wrong), or None. Reads headers only, never the tensors."""
-        from safetensors import safe_open
-
-        from shared.fileio import resolve_reference
-
-        for part in self.required_parts:
-            options = (part,) if isinstance(part, str) else part
-            if not any((ckpt / p).is_file() for p in options):
-                return f"{' or '.join(options)} is missing"
-        for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
-            rel = f.relative_to(ckpt)
-            try:
-                if f.suffix == ".json":
-                    json.loads(f.read_text(encoding="utf-8"))
-                elif f.suffix == ".safetensors":
-                    with safe_open(str(f), framework="pt") as h:  # checks the header against the file's size
-                        list(h.keys())
-            except Exception as exc:  # any parse failure means "damaged"; the caller names the file
-                return f"{rel} is damaged ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
-        # frozen files a checkpoint points at: present, and the bytes it was written with
-        for record in sorted(ckpt.rglob("reference.json")):
-            try:
-                resolve_reference(record)
-            except NlaInputError as exc:
-                return f"{record.relative_to(ckpt)}: {exc.problem}"
-        return None
+        """Why ``ckpt`` cannot be loaded, or None (``orchestrator.checkpoint.checkpoint_problem`` with this
+        kind of run's parts)."""
+        return checkpoint_problem(ckpt, self.required_parts)
 
     def loadable_checkpoint(self, log=print) -> Path | None:
         """The newest checkpoint that is complete and loadable; damaged ones are skipped and named."""

@@ -72,20 +72,10 @@ class SftData:
 
 
 def _explanations(path: Path, row_ids) -> list[str]:
-    import pyarrow.parquet as pq
+    from shared.data import read_text_column
 
-    names = pq.ParquetFile(path).schema_arrow.names
-    if "explanation" not in names:
-        raise NlaInputError(path, "no 'explanation' column: the SFT stages read the explained splits that "
-                                  "`nla-grpo data explain SPLITS_DIR` writes")
-    column = pq.read_table(path, columns=["explanation"]).column("explanation").to_pylist()
-    out = []
-    for r in row_ids:
-        text = column[int(r)]
-        if not isinstance(text, str) or not text.strip():
-            raise NlaInputError(path, f"row {int(r)}, column 'explanation': expected a non-empty string, found {text!r}")
-        out.append(text)
-    return out
+    return read_text_column(path, "explanation", row_ids, "no 'explanation' column: the SFT stages read the explained "
+                            "splits that `nla-grpo data explain SPLITS_DIR` writes")
 
 
 def load_data(cfg, stage: str, log=print) -> SftData:

@@ -621,24 +621,17 @@ def overlap_or_sleep(cfg):
 
 
 @_rule
-def file_sync_is_vllms(cfg):
-    if cfg.weight_sync.kind == "file" and cfg.rollout.backend != "vllm":
-        return (f"weight_sync.kind=file is how vLLM loads an adapter from disk: it needs rollout.backend=vllm, "
-                f"found {cfg.rollout.backend}")
-
-
-@_rule
-def broadcast_needs_two_gpus(cfg):
-    if cfg.weight_sync.kind == "broadcast" and cfg.placement.mode == "colocated":
-        return ("weight_sync.kind=broadcast with placement.mode=colocated: NCCL cannot join two ranks on one GPU; "
-                "use auto (CUDA IPC) there")
-
-
-@_rule
-def cuda_ipc_needs_one_shared_gpu(cfg):
-    if cfg.weight_sync.kind == "cuda_ipc" and cfg.placement.mode != "colocated":
-        return (f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), found {cfg.placement.mode}; "
-                "use auto or host")
+def weight_sync_fits_the_placement(cfg):
+    kind, mode, backend = cfg.weight_sync.kind, cfg.placement.mode, cfg.rollout.backend
+    hit, problem = {
+        "file": (backend != "vllm", f"weight_sync.kind=file is how vLLM loads an adapter from disk: it needs "
+                                    f"rollout.backend=vllm, found {backend}"),
+        "broadcast": (mode == "colocated", "weight_sync.kind=broadcast with placement.mode=colocated: NCCL cannot join "
+                                           "two ranks on one GPU; use auto (CUDA IPC) there"),
+        "cuda_ipc": (mode != "colocated", f"weight_sync.kind=cuda_ipc needs placement.mode=colocated (one shared GPU), "
+                                          f"found {mode}; use auto or host"),
+    }.get(kind, (False, None))
+    return problem if hit else None
 
 
 @_rule

@@ -146,6 +146,25 @@ def read_rows(path: str | Path, d_model: int, max_rows: int | None = None, progr
     return RlRows(prompts, mat, docs, np.arange(seen, dtype=np.int64))
 
 
+def read_text_column(path: str | Path, column: str, row_ids, missing: str, expected: str = "a non-empty string") -> list[str]:
+    """The ``column`` strings of ``row_ids`` in the parquet at ``path``, each checked non-empty; one line naming
+    the file when the column is absent (``missing`` says why it is needed) or a row holds no text."""
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(path)
+    names = pf.schema_arrow.names
+    if column not in names:
+        raise NlaInputError(path, missing.format(names=names))
+    values = pf.read(columns=[column]).column(column).to_pylist()
+    out = []
+    for r in row_ids:
+        text = values[int(r)]
+        if not isinstance(text, str) or not text.strip():
+            raise NlaInputError(path, f"row {int(r)}, column '{column}': expected {expected}, found {text!r}")
+        out.append(text)
+    return out
+
+
 def is_eval_doc(doc_id: str, fraction: float) -> bool:
     """Stable document-level split: sha256(doc_id) as a number in [0, 1) below ``fraction``."""
     h = int.from_bytes(hashlib.sha256(doc_id.encode("utf-8")).digest()[:8], "big")

@@ -30,9 +30,7 @@ CASES = {
     "merged_needs_one_vllm_engine_per_gpu": {"rollout": {"backend": "hf", "lora": "merged"}},
     "overlap_takes_one_epoch": {"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}},
     "overlap_or_sleep": _with(GPU, grpo={"overlap_rollout": True}, rollout={"sleep_during_update": True}),
-    "file_sync_is_vllms": {"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}},
-    "broadcast_needs_two_gpus": _with(GPU, weight_sync={"kind": "broadcast"}),
-    "cuda_ipc_needs_one_shared_gpu": {"weight_sync": {"kind": "cuda_ipc"}},
+    "weight_sync_fits_the_placement": {"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}},
     "full_critic_training_needs_fp32": _with(GPU, critic={"train": True, "lora_r": 0}),
     "one_gpu_per_learner_rank": {"placement": {"learner_gpus": 2}},
     "tensor_parallel_is_vllms_on_gpus": {"rollout": {"tensor_parallel_size": 2}},
@@ -105,3 +103,15 @@ def test_placement_settings_that_would_be_ignored_are_refused(change, needle):
     with pytest.raises(NlaInputError, match=needle):
         build_config(raw)
     assert build_config({"placement": {"learner_gpus": 0}}).placement.learner_gpus == 0  # the CPU needs no GPU
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (_with(GPU, weight_sync={"kind": "broadcast"}), "weight_sync.kind=broadcast with placement.mode=colocated"),
+    ({"weight_sync": {"kind": "cuda_ipc"}}, "weight_sync.kind=cuda_ipc needs placement.mode=colocated"),
+    ({"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}}, "weight_sync.kind=file is how vLLM loads"),
+])
+def test_each_weight_sync_variant_is_refused_where_it_cannot_run(raw, needle):
+    with pytest.raises(NlaInputError, match=needle):
+        build_config(raw)
+    for ok in ({"weight_sync": {"kind": "host"}}, _with(GPU, weight_sync={"kind": "cuda_ipc"}), {"weight_sync": {"kind": "file"}}):
+        build_config(ok)

@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from shared.data import ShuffledOrder, is_eval_doc, read_rows, split_eval
+from shared.errors import NlaInputError
 from shared.prompts import find_marker_site, has_marker_trigram, render_av_ids, render_critic_text
 from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
 from dataprep.tiny import build_tiny, write_rl_parquet
@@ -106,3 +107,19 @@ def test_learning_summary_means_first_and_last_windows_and_collects_evals():
     assert (got["reward_first"], got["reward_last"]) == (1.0, 8.0)
     assert (got["fve_first"], got["fve_last"]) == (-1.0, -8.0)
     assert got["eval_fve"] == {4: 0.5} and got["steps"] == 10
+
+
+def test_a_text_column_is_read_for_the_rows_asked_and_refused_in_one_line(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from shared.data import read_text_column
+
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"text": ["zero", "one", " ", None]}), path)
+    assert read_text_column(path, "text", [1, 0], "unused") == ["one", "zero"]
+    with pytest.raises(NlaInputError, match=r"t.parquet: needed for the judge, found columns \['text'\]"):
+        read_text_column(path, "source", [0], "needed for the judge, found columns {names}")
+    for row, found in ((2, "' '"), (3, "None")):
+        with pytest.raises(NlaInputError, match=f"row {row}, column 'text': expected the source text, found {found}"):
+            read_text_column(path, "text", [0, row], "unused", "the source text")
