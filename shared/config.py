@@ -606,6 +606,19 @@ def merged_needs_one_vllm_engine_per_gpu(cfg):
                 "use rollout.lora=adapter")
 
 
+# the largest LoRA rank vLLM's engines take (``rollout.vllm_compat.LORA_RANKS``, checked against the installed vLLM)
+VLLM_MAX_LORA_RANK = 512
+
+
+@_rule
+def vllm_takes_the_adapter_rank(cfg):
+    r = cfg.rollout
+    if r.backend == "vllm" and r.lora == "adapter" and cfg.learner.lora_r > VLLM_MAX_LORA_RANK:
+        return (f"learner.lora_r={cfg.learner.lora_r} with the vLLM rollout's adapter route: vLLM's LoRA kernels take "
+                f"ranks up to {VLLM_MAX_LORA_RANK}; use rollout.lora=merged (the adapter folded into the weights) or a "
+                "smaller rank")
+
+
 @_rule
 def overlap_takes_one_epoch(cfg):
     if cfg.grpo.overlap_rollout and cfg.learner.ppo_epochs > 1:

@@ -28,6 +28,7 @@ CASES = {
     "sleep_needs_a_shared_gpu": {"rollout": {"sleep_during_update": True}},
     "own_process_is_vllms": {"rollout": {"backend": "hf", "engine_core": "own_process"}},
     "merged_needs_one_vllm_engine_per_gpu": {"rollout": {"backend": "hf", "lora": "merged"}},
+    "vllm_takes_the_adapter_rank": {"learner": {"lora_r": 1024}},
     "overlap_takes_one_epoch": {"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}},
     "overlap_or_sleep": _with(GPU, grpo={"overlap_rollout": True}, rollout={"sleep_during_update": True}),
     "weight_sync_fits_the_placement": {"rollout": {"backend": "hf"}, "weight_sync": {"kind": "file"}},

@@ -153,3 +153,11 @@ def test_a_forwarded_message_survives_the_engine_cores_msgpack_route():
     back = received_message(route(forwarded_message(message))[0])
     assert back == message and isinstance(back, AdapterMessage)
     assert received_message(b"safetensors bytes") is None and received_message({"a": 1}) is None
+
+
+def test_the_schema_knows_vllms_largest_lora_rank():
+    from rollout.vllm_compat import LORA_RANKS
+    from shared.config import VLLM_MAX_LORA_RANK, build_config
+
+    assert max(LORA_RANKS) == VLLM_MAX_LORA_RANK
+    build_config({"learner": {"lora_r": VLLM_MAX_LORA_RANK + 1}, "rollout": {"lora": "merged"}})  # no LoRA kernels there
