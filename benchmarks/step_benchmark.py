@@ -306,7 +306,7 @@ def main() -> int:
             return u
 
         _, t_push = timed(push)
-        push_parts = getattr(eng.transport, "last_timings", None)
+        push_parts = getattr(eng.registry, "last_timings", None)
         # the first forward on the new adapter, one token only, so decoding does not hide its cost
         def first_token():
             p = eng.sampling_params(99, reqs[0].row_id)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from orchestrator.checkpoint import PENDING_FILE
+from shared.fileio import write_json
 
 
 
@@ -90,7 +91,7 @@ class RolloutFeed:
         self.wait()
         p = self.pending
         record = {"step": p.step, "idx": p.idx, "version": p.version, "samples": [asdict(s) for s in p.samples]}
-        (Path(directory) / PENDING_FILE).write_text(json.dumps(record))
+        write_json(Path(directory) / PENDING_FILE, record, indent=None)
 
     def restore(self, directory: Path) -> None:
         from shared.types import Sample

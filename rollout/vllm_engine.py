@@ -160,7 +160,7 @@ class VllmEngine(RolloutEngine):
 
         cpu = not str(device).startswith("cuda")
         self.karvonen = cfg.injection.mode == "karvonen"
-        in_worker = cfg.weight_sync.kind != "file"  # functions run inside the worker
+        in_worker = not cfg.weight_sync.registers_from_directory  # functions run inside the worker
         # one worker: keep the engine core in this process, so a pushed adapter's tensors reach the worker
         # as they are (GPU tensors stay on the GPU; no serialisation of 700 MB), unless rollout.engine_core
         # asks for its own process; with several workers, the functions travel to separate engine cores
@@ -177,7 +177,7 @@ class VllmEngine(RolloutEngine):
         from transformers import AutoTokenizer
 
         from rollout.embeddings import embedding_multiplier, load_embed_tokens
-        from rollout.transport import make_transport
+        from rollout.adapter_registry import make_registry
         from shared.injection import embed_norm
         from shared.torch_utils import resolve_dtype
 
@@ -222,7 +222,7 @@ class VllmEngine(RolloutEngine):
             self.nf4_base = self.llm.collective_rpc(nf4_base_in_worker)[0]
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
         # merged: the adapter goes into the engine's own weights (vllm_compat.merge_adapter_in_worker)
-        self.transport = None if self.merged else make_transport(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
+        self.registry = None if self.merged else make_registry(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self.last_push: dict = {}
         self._lora_request = None
         self._version = 0
@@ -278,7 +278,7 @@ class VllmEngine(RolloutEngine):
         return samples
 
     def load_adapter(self, update: AdapterUpdate) -> None:
-        from rollout.transport import check_update
+        from rollout.adapter_registry import check_update
 
         check_update(update, self._version)
         if self.merged:
@@ -287,7 +287,7 @@ class VllmEngine(RolloutEngine):
             tensors, config = update.tensors, update.peft_config
             self.last_push = self.llm.collective_rpc(lambda w: merge_adapter_in_worker(w, tensors, config))[0]
         else:
-            self._lora_request = self.transport.push(update)
+            self._lora_request = self.registry.push(update)
         self._version = update.version
 
     @property
@@ -300,7 +300,7 @@ class VllmEngine(RolloutEngine):
 
     def load_adapter_message(self, message) -> None:
         """Load a ``cuda_ipc`` ``AdapterMessage`` whose tensors the worker reads from the learner's buffer."""
-        from rollout.transport import ForwardedUpdate, check_version
+        from rollout.adapter_registry import ForwardedUpdate, check_version
 
         if message.kind != "cuda_ipc":
             raise ValueError(f"weight sync: only a cuda_ipc message goes on to the worker, found {message.kind!r}")
@@ -310,7 +310,7 @@ class VllmEngine(RolloutEngine):
 
             self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(forwarded_message(message),))[0]
         else:
-            self._lora_request = self.transport.push(ForwardedUpdate(message.version, message))
+            self._lora_request = self.registry.push(ForwardedUpdate(message.version, message))
         self._version = message.version
 
     def sleep(self) -> None:
@@ -323,9 +323,9 @@ class VllmEngine(RolloutEngine):
 
     def close(self) -> None:
         llm, self.llm = getattr(self, "llm", None), None
-        if getattr(self, "transport", None) is not None:
-            self.transport.close()
-            self.transport = None
+        if getattr(self, "registry", None) is not None:
+            self.registry.close()
+            self.registry = None
         if llm is not None:
             from rollout.vllm_compat import shutdown_engine_core
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -294,22 +294,28 @@ class PlacementConfig(_Section):
 
 
 # ---- weight sync: how the policy adapter reaches the engines (one variant, chosen by `kind`) ----
-class AutoSync(_Section):
+class _SyncVariant(_Section):
+    # how an engine registers what this variant sends: from a PEFT directory through vLLM's public API, or in
+    # memory inside its worker (``rollout.adapter_registry``)
+    registers_from_directory: ClassVar[bool] = False
+
+
+class AutoSync(_SyncVariant):
     kind: Literal["auto"] = "auto"
     """Resolved when the config is read: cuda_ipc when colocated, broadcast when split, host on the CPU."""
 
 
-class HostSync(_Section):
+class HostSync(_SyncVariant):
     kind: Literal["host"] = "host"
     """One host-memory buffer through Ray's object store; any placement (1.3 s for r=128 at 8B on GPUs)."""
 
 
-class CudaIpcSync(_Section):
+class CudaIpcSync(_SyncVariant):
     kind: Literal["cuda_ipc"] = "cuda_ipc"
     """A CUDA IPC handle to the learner's GPU buffer (colocated placement only: one GPU shared by all)."""
 
 
-class BroadcastSync(_Section):
+class BroadcastSync(_SyncVariant):
     kind: Literal["broadcast"] = "broadcast"
     """One broadcast from the learner to every engine over a private process group: NCCL GPU to GPU in
     split placement, gloo on the CPU (not colocated: NCCL cannot join two ranks on one GPU)."""
@@ -317,8 +323,9 @@ class BroadcastSync(_Section):
     """How long a member waits for the others (rendezvous or broadcast) before the push fails."""
 
 
-class FileSync(_Section):
+class FileSync(_SyncVariant):
     kind: Literal["file"] = "file"
+    registers_from_directory: ClassVar[bool] = True
     """A PEFT adapter directory each engine writes and loads through vLLM's public API (the fallback);
     the tensors travel as for host."""
     directory: Optional[str] = None
@@ -597,7 +604,7 @@ def merged_needs_one_vllm_engine_per_gpu(cfg):
     if r.lora != "merged":
         return None
     blockers = [name for hit, name in ((r.backend != "vllm", f"rollout.backend={r.backend}"),
-                                       (cfg.weight_sync.kind == "file", "weight_sync.kind=file"),
+                                       (cfg.weight_sync.registers_from_directory, f"weight_sync.kind={cfg.weight_sync.kind}"),
                                        (r.tensor_parallel_size != 1, f"rollout.tensor_parallel_size={r.tensor_parallel_size}"))
                 if hit]
     if blockers:

@@ -105,11 +105,12 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rollout_support import random_adapter_update
-    from rollout.transport import ADAPTER_CONFIG, jsonable_peft_config, write_adapter_dir
+    from rollout.adapter_registry import ADAPTER_CONFIG, write_adapter_dir
+    from shared.fileio import jsonable
 
     update = random_adapter_update(tiny_dir / "model", 1, seed=0, r=8, alpha=16, target_modules=["q_proj", "down_proj"])
     assert isinstance(update.peft_config["target_modules"], set)  # what LoraConfig.to_dict() gives
-    cfg = json.loads(json.dumps(jsonable_peft_config(update.peft_config)))
+    cfg = json.loads(json.dumps(jsonable(update.peft_config)))
     assert cfg["target_modules"] == ["down_proj", "q_proj"] and cfg["r"] == 8
     path = write_adapter_dir(update, tmp_path / "a")
     assert json.loads((path / ADAPTER_CONFIG).read_text())["use_rslora"] is True

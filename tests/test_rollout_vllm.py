@@ -141,7 +141,7 @@ def test_old_versions_are_retired(engine, requests):
     for v in range(start + 1, start + 4):
         engine.load_adapter(update_for(engine.cfg, v, seed=v))
     last = start + 3
-    assert engine.transport.live_versions == [last - 1, last]
+    assert engine.registry.live_versions == [last - 1, last]
     assert engine.llm.llm_engine.list_loras() <= {last - 1, last}
     assert {s.adapter_version for s in engine.generate(requests[:2], seed=0)} == {last}
     with pytest.raises(ValueError, match="not newer"):
@@ -150,16 +150,16 @@ def test_old_versions_are_retired(engine, requests):
 
 def test_memory_route_bytes_and_direct_deliver_the_same_weights(engine, hf, requests):
     """An in-process engine takes the tensors directly; a separate engine core gets safetensors bytes."""
-    assert engine.transport.direct  # the CPU engine runs in-process
+    assert engine.registry.direct  # the CPU engine runs in-process
     reqs = requests[:3]
     start = engine.adapter_version
     got = {}
     for k, direct in enumerate((False, True)):
-        engine.transport.direct = direct
+        engine.registry.direct = direct
         update = update_for(engine.cfg, start + 1 + k, seed=77)  # the same weights under two versions
         engine.load_adapter(update)
         got[direct] = engine.generate(reqs, seed=3)
-    engine.transport.direct = True
+    engine.registry.direct = True
     assert [s.logprobs for s in got[False]] == [s.logprobs for s in got[True]]
     hf.load_adapter(update)
     assert max_abs_diff(got[False], hf.recompute_logprobs(got[False], vectors_of(got[False], reqs))) <= PARITY_ATOL

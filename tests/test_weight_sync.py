@@ -10,7 +10,7 @@ import torch
 
 from learner.actor import LearnerActor
 from rollout.actor import RolloutActor
-from rollout.transport import check_update
+from rollout.adapter_registry import check_update
 from shared.config import BroadcastSync, CudaIpcSync, FileSync, HostSync
 from shared.types import AdapterUpdate
 from shared.weight_sync import make_receiver, make_sender
@@ -184,7 +184,7 @@ def test_sync_errors_are_one_line():
     message.payload = message.payload[:-64]
     with pytest.raises(ValueError, match="expected .* bytes, found"):
         make_receiver("host").receive(message, "cpu")
-    with pytest.raises(ValueError, match="weight_sync.kind: expected one of host, file, cuda_ipc, broadcast, found 'auto'"):
+    with pytest.raises(ValueError, match="weight_sync.kind: expected one of host, cuda_ipc, broadcast, file, found 'auto'"):
         make_sender("auto")
 
 

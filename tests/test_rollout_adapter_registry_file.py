@@ -25,16 +25,16 @@ def setup(tiny_dir):
 
 
 def test_file_route_delivers_each_version(setup):
-    from rollout.transport import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FileTransport
+    from rollout.adapter_registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FileRegistry
 
     engine, hf, reqs = setup
-    assert isinstance(engine.transport, FileTransport)
+    assert isinstance(engine.registry, FileRegistry)
     vectors = lambda samples: [reqs[s.row_id].vector for s in samples]  # noqa: E731
     base = engine.generate(reqs, seed=4)
     for version in (1, 2):
         update = update_for(engine.cfg, version, seed=10 + version)
         engine.load_adapter(update)
-        path = engine.transport.root / f"policy-v{version}"
+        path = engine.registry.root / f"policy-v{version}"
         assert (path / ADAPTER_WEIGHTS).is_file() and (path / ADAPTER_CONFIG).is_file()
         out = engine.generate(reqs, seed=4)
         assert {s.adapter_version for s in out} == {version}
@@ -51,9 +51,9 @@ def test_file_route_retires_old_directories(setup):
     for v in range(start + 1, start + 4):
         engine.load_adapter(update_for(engine.cfg, v, seed=v))
     last = start + 3
-    assert sorted(p.name for p in engine.transport.root.iterdir()) == [f"policy-v{last - 1}", f"policy-v{last}"]
+    assert sorted(p.name for p in engine.registry.root.iterdir()) == [f"policy-v{last - 1}", f"policy-v{last}"]
     assert engine.llm.llm_engine.list_loras() <= {last - 1, last}
     assert {s.adapter_version for s in engine.generate(reqs[:1], seed=0)} == {last}
-    root = engine.transport.root
-    engine.transport.close()
+    root = engine.registry.root
+    engine.registry.close()
     assert not root.exists()

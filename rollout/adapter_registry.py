@@ -11,7 +11,6 @@ keeps the old ones), and at most ``keep`` versions stay registered; older ones a
 """
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.vllm_compat import engine_in_process
+from shared.fileio import jsonable, write_json
 from shared.types import AdapterUpdate
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -27,23 +27,6 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 def adapter_name(version: int) -> str:
     return f"policy-v{version}"
-
-
-def jsonable_peft_config(peft_config: dict) -> dict:
-    """``LoraConfig.to_dict()`` output made JSON-able (sets become sorted lists)."""
-
-    def fix(v):
-        if isinstance(v, (set, frozenset)):
-            return sorted(fix(x) for x in v)
-        if isinstance(v, (list, tuple)):
-            return [fix(x) for x in v]
-        if isinstance(v, dict):
-            return {str(k): fix(x) for k, x in v.items()}
-        if hasattr(v, "value") and not isinstance(v, (int, float, str, bool)):  # enums (peft_type, task_type)
-            return v.value
-        return v
-
-    return {k: fix(v) for k, v in dict(peft_config).items()}
 
 
 def contiguous_tensors(tensors: dict, device=None) -> dict:
@@ -83,7 +66,7 @@ def write_adapter_dir(update: AdapterUpdate, directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     save_file(contiguous_tensors(update.tensors, "cpu"), str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (directory / ADAPTER_CONFIG).write_text(json.dumps(jsonable_peft_config(update.peft_config)), encoding="utf-8")
+    write_json(directory / ADAPTER_CONFIG, update.peft_config)
     return directory
 
 
@@ -93,7 +76,7 @@ def node_local_tmp() -> str | None:
     return str(shm) if shm.is_dir() else None
 
 
-class AdapterTransport(ABC):
+class AdapterRegistry(ABC):
     """Registers adapter versions with a vLLM ``LLM`` and hands back the ``LoRARequest`` to generate with."""
 
     def __init__(self, llm, keep: int, directory: str | None = None):
@@ -129,7 +112,7 @@ class AdapterTransport(ABC):
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-class FileTransport(AdapterTransport):
+class FileRegistry(AdapterRegistry):
     """Adapter directory in a node-local temp dir, loaded eagerly through the engine's public add_lora."""
 
     def _register(self, update: AdapterUpdate):
@@ -143,7 +126,7 @@ class FileTransport(AdapterTransport):
         return request
 
 
-class MemoryTransport(AdapterTransport):
+class MemoryRegistry(AdapterRegistry):
     """Tensors handed to each vLLM worker through ``collective_rpc`` and built into a LoRAModel there.
 
     With an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the CPU default, and the
@@ -174,7 +157,7 @@ class MemoryTransport(AdapterTransport):
             payload = forwarded_message(update.message)
         else:
             payload = contiguous_tensors(update.tensors) if self.direct else save(contiguous_tensors(update.tensors, "cpu"))
-        config = jsonable_peft_config(update.peft_config)
+        config = jsonable(update.peft_config)
         # per worker: where the push time went (unpack / build / add), for benchmarks and logs
         self.last_timings = self.llm.collective_rpc(
             register_adapter_in_worker, args=(update.version, adapter_name(update.version), str(path), payload, config)
@@ -182,8 +165,8 @@ class MemoryTransport(AdapterTransport):
         return LoRARequest(adapter_name(update.version), update.version, str(path))
 
 
-def make_transport(weight_sync, llm, keep: int) -> AdapterTransport:
+def make_registry(weight_sync, llm, keep: int) -> AdapterRegistry:
     """File registration for ``weight_sync.kind: file`` (in its ``directory``), in memory otherwise."""
-    if weight_sync.kind == "file":
-        return FileTransport(llm, keep, directory=weight_sync.directory)
-    return MemoryTransport(llm, keep)
+    if weight_sync.registers_from_directory:
+        return FileRegistry(llm, keep, directory=weight_sync.directory)
+    return MemoryRegistry(llm, keep)
