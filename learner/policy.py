@@ -138,11 +138,11 @@ def freeze_base(model, checkpointing: bool, fp32_modules: bool = False):
 
 
 def _check_adapter_targets(peft_config, where: str) -> None:
-    targets = peft_config.target_modules
-    targets = [targets] if isinstance(targets, str) else list(targets or [])
-    if any("embed" in t or "lm_head" in t for t in targets) or getattr(peft_config, "modules_to_save", None):
-        raise ValueError(f"{where}: expected LoRA on linear modules only (prompt embeddings + embedding LoRA crash vLLM), "
-                         f"found target_modules={targets}, modules_to_save={peft_config.modules_to_save}")
+    from shared.adapter import linear_only_problem
+
+    problem = linear_only_problem(peft_config.target_modules, getattr(peft_config, "modules_to_save", None))
+    if problem:
+        raise ValueError(f"{where}: {problem}")
     if getattr(peft_config, "bias", "none") != "none":
         raise ValueError(f"{where}: expected bias='none' (vLLM serves LoRA without bias terms), found {peft_config.bias!r}")
 

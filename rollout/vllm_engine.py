@@ -33,21 +33,13 @@ def dtype_name(dtype) -> str:
 def adapter_shape(cfg) -> tuple[int, list[str]]:
     """Largest LoRA rank and target modules the engine must accept: the SFT adapter's when the
     policy starts from one (its saved config, rank_pattern included), else the fresh adapter's."""
-    import json
-    from pathlib import Path
+    from shared.adapter import AdapterDir
 
     init = cfg.learner.adapter_init
     if not init:
         return cfg.learner.lora_r, list(cfg.learner.target_modules)
-    path = Path(init) / "adapter_config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise NlaInputError(path, "learner.adapter_init: expected a PEFT adapter directory with adapter_config.json") from None
-    ranks = [int(raw.get("r", cfg.learner.lora_r)), *map(int, (raw.get("rank_pattern") or {}).values())]
-    targets = raw.get("target_modules") or list(cfg.learner.target_modules)
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    return max(ranks), targets
+    adapter = AdapterDir.read(init, "learner.adapter_init")
+    return adapter.max_rank, adapter.targets or list(cfg.learner.target_modules)
 
 
 def karvonen_overrides(cfg, marker_id: int) -> dict:

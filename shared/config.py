@@ -236,8 +236,11 @@ class LearnerConfig(_Section):
     def _no_embeddings(cls, v):
         if not v:
             raise ValueError("expected at least one module")
-        if any("embed" in m or "lm_head" in m for m in v):
-            raise ValueError(f"expected linear modules only, found {v}")
+        from shared.adapter import linear_only_problem
+
+        problem = linear_only_problem(v)
+        if problem:
+            raise ValueError(problem)
         return v
 
 
@@ -325,9 +328,9 @@ class BroadcastSync(_SyncVariant):
 
 class FileSync(_SyncVariant):
     kind: Literal["file"] = "file"
-    registers_from_directory: ClassVar[bool] = True
     """A PEFT adapter directory each engine writes and loads through vLLM's public API (the fallback);
     the tensors travel as for host."""
+    registers_from_directory: ClassVar[bool] = True
     directory: Optional[str] = None
     """Where the engines write adapter directories; None = /dev/shm (RAM) where present, else the temp dir."""
 

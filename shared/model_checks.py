@@ -75,22 +75,11 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
 
     from safetensors import safe_open
 
-    d = Path(adapter_dir)
-    cfg_path, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
-    if not cfg_path.is_file():
-        raise NlaInputError(d, f"{field}: expected a PEFT adapter directory (no adapter_config.json)")
-    try:
-        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise NlaInputError(cfg_path, "not valid JSON") from None
-    if not weights.is_file():
-        found = "adapter_model.bin, which would need unpickling" if (d / "adapter_model.bin").is_file() else "none"
-        raise NlaInputError(d, f"{field}: expected adapter_model.safetensors, found {found}")
-    targets = raw.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    if any("embed" in t or "lm_head" in t for t in targets) or raw.get("modules_to_save"):
-        raise NlaInputError(cfg_path, f"target_modules: expected linear layers only (an embedding or head LoRA crashes "
-                                      f"vLLM under prompt embeddings), found {targets}, modules_to_save={raw.get('modules_to_save')}")
+    from shared.adapter import AdapterDir
+
+    adapter = AdapterDir.read(adapter_dir, field)
+    adapter.check_files(field)
+    d, raw, weights, targets = adapter.path, adapter.config, adapter.weights, adapter.targets
     check_target_modules(model_dir, targets, f"{field} {d}: target_modules")
     linear = _linear_modules(str(model_dir))
     try:

@@ -156,7 +156,7 @@ def test_an_adapter_directory_is_checked_before_any_actor(tiny_dir, tmp_path):
 
     for make, needle in (
         (lambda: variant(edit_tensors=transposed), r"q_proj.lora_A.weight: expected shape \(4, 64\) for .*q_proj of .*, found \(64, 4\)"),
-        (lambda: variant(edit_config=lambda r: {**r, "target_modules": ["q_proj", "embed_tokens"]}), "expected linear layers only"),
+        (lambda: variant(edit_config=lambda r: {**r, "target_modules": ["q_proj", "embed_tokens"]}), "expected LoRA on linear modules only"),
         (lambda: variant(edit_config=lambda r: {**r, "target_modules": ["q_proj", "qq_proj"]}), r"\['qq_proj'\] not among the linear modules"),
         (lambda: variant(drop="adapter_model.safetensors"), "found adapter_model.bin, which would need unpickling"),
     ):
