@@ -8,7 +8,6 @@ counted in ``time/rollout``.
 """
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
-from orchestrator.metrics import eval_metrics, sample_metrics
+from orchestrator.metrics import eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
 from orchestrator.run_dir import RunDir
 from orchestrator.weight_push import AdapterPush
 from shared.data import ShuffledOrder, make_order, order_from_state
@@ -162,44 +161,6 @@ def _judged_evals(services, job: Job, step: int, run: RunDir, log) -> tuple[dict
                        if k.endswith(("hallucinations_mean", "clean_rate", "captures_quirk_rate", "judge_failures")))
     log(f"  [evals@{step}] {shown}")
     return metrics, records
-
-
-def _judged_tables(records: list[dict]) -> dict:
-    """Each judged eval's records as a wandb Table (``eval/<id>/records``)."""
-    import wandb
-
-    out = {}
-    for name in dict.fromkeys(r["eval"] for r in records):
-        rows = [r for r in records if r["eval"] == name]
-        columns = list(dict.fromkeys(k for r in rows for k in r))
-        out[f"eval/{name}/records"] = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
-    return out
-
-
-def _pareto_chart(rows: list[dict]) -> dict:
-    """plots/pareto.png as a wandb line series (``pareto/capability_vs_faithfulness``)."""
-    import wandb
-
-    from orchestrator.plot import pareto_series
-
-    series = pareto_series(rows)
-    if not series:
-        return {}
-    return {"pareto/capability_vs_faithfulness": wandb.plot.line_series(
-        xs=[xs for xs, _ in series.values()], ys=[ys for _, ys in series.values()], keys=list(series),
-        title="capability vs faithfulness", xname="step")}
-
-
-def _cell(value):
-    return json.dumps(value) if isinstance(value, (list, dict)) else value
-
-
-def _eval_table(records: list[dict]):
-    """The eval's explanations as a wandb Table (the reference trainer's dashboards show one)."""
-    import wandb
-
-    columns = ["step", "row_id", "doc_id", "reward", "mse", "explanation", "text"]
-    return wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])
 
 
 def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: RolloutFeed, step: int, version: int, job: Job) -> Path:
@@ -371,10 +332,10 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if pending is not None:
                 run.commit_checkpoint(pending, step + 1, cfg.checkpointing.keep_last)
             if wandb_run is not None:
-                tables = {"eval/samples": _eval_table(records)} if records else {}
+                tables = {"eval/samples": eval_table(records)} if records else {}
                 if judged_records:
-                    tables.update(_judged_tables(judged_records))
-                    tables.update(_pareto_chart(run.read_metrics()))
+                    tables.update(judged_tables(judged_records))
+                    tables.update(pareto_chart(run.read_metrics()))
                 wandb_run.log({**row, **tables}, step=step)
             if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
                 log(f"step {step:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "

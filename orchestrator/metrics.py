@@ -1,7 +1,9 @@
 """What a step logs about its samples, as pure functions: this project's names and, beside them, the
-reference trainer's (its dashboards read those), with the same values where they mean the same."""
+reference trainer's (its dashboards read those), with the same values where they mean the same; and the wandb
+tables and chart logged beside them (``eval_table``, ``judged_tables``, ``pareto_chart``)."""
 from __future__ import annotations
 
+import json
 import math
 import unicodedata
 
@@ -56,3 +58,42 @@ def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: f
         "eval/fve": fve, "eval/fve_pct": fve * 100.0,
         "eval/extraction_rate": len(valid) / len(mses) if mses else float("nan"),
     }
+
+
+# ---- wandb: the tables and the chart a step logs beside its metrics (wandb is imported only here) ----
+def judged_tables(records: list[dict]) -> dict:
+    """Each judged eval's records as a wandb Table (``eval/<id>/records``)."""
+    import wandb
+
+    out = {}
+    for name in dict.fromkeys(r["eval"] for r in records):
+        rows = [r for r in records if r["eval"] == name]
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        out[f"eval/{name}/records"] = wandb.Table(columns=columns, data=[[_cell(r.get(c)) for c in columns] for r in rows])
+    return out
+
+
+def pareto_chart(rows: list[dict]) -> dict:
+    """plots/pareto.png as a wandb line series (``pareto/capability_vs_faithfulness``)."""
+    import wandb
+
+    from orchestrator.plot import pareto_series
+
+    series = pareto_series(rows)
+    if not series:
+        return {}
+    return {"pareto/capability_vs_faithfulness": wandb.plot.line_series(
+        xs=[xs for xs, _ in series.values()], ys=[ys for _, ys in series.values()], keys=list(series),
+        title="capability vs faithfulness", xname="step")}
+
+
+def _cell(value):
+    return json.dumps(value) if isinstance(value, (list, dict)) else value
+
+
+def eval_table(records: list[dict]):
+    """The eval's explanations as a wandb Table (the reference trainer's dashboards show one)."""
+    import wandb
+
+    columns = ["step", "row_id", "doc_id", "reward", "mse", "explanation", "text"]
+    return wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])
