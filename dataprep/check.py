@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from shared.errors import NlaInputError
-from shared.model_checks import load_tokenizer, model_hidden_size
+from shared.model_checks import check_model_against_spec
 
 
 def resolve_model_dir(spec, model_dir: str | None) -> Path:
@@ -25,16 +25,12 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
     """Validate everything a run needs from the data (prompts rendered with ``prefill``); return and print a summary."""
     from shared.data import open_parquet, read_rows, split_eval
     from shared.prompts import prompt_table
-    from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
+    from shared.spec import load_spec, sidecar_path
 
     open_parquet(parquet)
     spec = load_spec(sidecar or sidecar_path(parquet))
     mdir = resolve_model_dir(spec, model_dir)
-    hidden = model_hidden_size(mdir)
-    if hidden is not None and hidden != spec.d_model:
-        raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {mdir}), found {spec.d_model}")
-    tok = load_tokenizer(mdir)
-    validate_against_tokenizer(spec, tok)
+    tok = check_model_against_spec(spec, mdir)
 
     def progress(done, total):
         if total >= 20000:

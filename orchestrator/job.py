@@ -149,11 +149,11 @@ def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
-    from shared.model_checks import check_target_modules, load_tokenizer, model_config_field, model_hidden_size
+    from shared.model_checks import check_model_against_spec, check_target_modules, model_config_field
     from shared.data import read_rows, split_eval
     from shared.prompts import as_ids, prompt_table
     from shared.schema import fve_baselines
-    from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
+    from shared.spec import load_spec, sidecar_path
 
     model_dir = Path(cfg.model.path)
     if not model_dir.is_dir():
@@ -161,9 +161,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     spec = load_spec(cfg.data.sidecar or sidecar_path(cfg.data.parquet))
     if cfg.injection.mode == "embed":
         spec.require_injection_scale(cfg.injection.scale)
-    hidden = model_hidden_size(model_dir)
-    if hidden is not None and hidden != spec.d_model:
-        raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")
+    tok = check_model_against_spec(spec, model_dir)
     blocks = model_config_field(model_dir, "num_hidden_layers")
     # after the last block no attention is left to carry the vector to the response: it could not be read
     if cfg.injection.mode == "karvonen" and blocks is not None and cfg.injection.karvonen_layer >= blocks - 1:
@@ -206,8 +204,6 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         if rank > VLLM_MAX_LORA_RANK:
             raise NlaInputError(cfg.learner.adapter_init, f"learner.adapter_init: LoRA rank {rank}, above the {VLLM_MAX_LORA_RANK} "
                                                           "vLLM's LoRA kernels take; use rollout.lora=merged")
-    tok = load_tokenizer(model_dir)
-    validate_against_tokenizer(spec, tok)
     for s in cfg.rollout.extra_stop_tokens:
         ids = as_ids(tok.encode(s, add_special_tokens=False))
         if len(ids) != 1:

@@ -56,6 +56,20 @@ def _linear_modules(model_dir: str) -> dict[str, tuple[int, int]]:
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
+def check_model_against_spec(spec, model_dir):
+    """The model's tokenizer, once the model and the dataset's sidecar agree: the activations' width is the
+    model's hidden size, and the marker and its neighbours are what the sidecar says in this tokenizer.
+    ``data check`` and a job's checks both go through it."""
+    from shared.spec import validate_against_tokenizer
+
+    hidden = model_hidden_size(model_dir)
+    if hidden is not None and hidden != spec.d_model:
+        raise NlaInputError(spec.path, f"extraction.d_model: expected {hidden} (hidden_size of {model_dir}), found {spec.d_model}")
+    tok = load_tokenizer(model_dir)
+    validate_against_tokenizer(spec, tok)
+    return tok
+
+
 def check_target_modules(model_dir, target_modules: list[str], field: str = "learner.target_modules") -> None:
     """Every LoRA target names a linear module of the model (checked on the meta device: no weights are
     read), so a typo stops before any actor starts instead of inside one."""
