@@ -63,7 +63,7 @@ def main() -> int:
 
     from learner.grpo import group_advantages
     from orchestrator.job import prepare_job
-    from learner.service import Learner
+    from learner.learner import Learner
     from shared.config import build_config
 
     root = step_benchmark.build_workdir(Path(args.workdir), step_benchmark.SMALL if args.dry_run_cpu else step_benchmark.QWEN3_8B,
@@ -145,7 +145,7 @@ def main() -> int:
 
 def _processed_tokens(learner, samples, vectors) -> int:
     """Tokens the packed rows hold (without padding); for the padded path, every row's real tokens."""
-    from learner.service import _items
+    from learner.micro_batches import items_from as _items
 
     items = _items(samples, vectors)
     if not learner.policy.packed:

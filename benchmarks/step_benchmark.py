@@ -201,7 +201,7 @@ def main() -> int:
 
     from critic.scoring import Critic
     from orchestrator.job import prepare_job
-    from learner.service import Learner
+    from learner.learner import Learner
     from shared.config import build_config
     from shared.types import PromptRequest
 

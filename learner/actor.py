@@ -6,10 +6,10 @@ from __future__ import annotations
 
 
 class LearnerActor:
-    """A ``learner.service.Learner`` in the actor's process, behind plain methods (Ray has no properties)."""
+    """A ``learner.learner.Learner`` in the actor's process, behind plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        from learner.service import Learner
+        from learner.learner import Learner
         from shared.weight_sync import make_sender
 
         from shared.collective import DataParallel

@@ -6,7 +6,7 @@
     rng.safetensors           every RNG state the update draws from
     learner_state.json        format, step, adapter version, injection mode, the micro-batch token budget
 
-``Learner.save`` / ``Learner.load`` write and read it; ``orchestrator.import_run`` writes one from a
+``save`` / ``load`` below write and read it (``Learner.save`` / ``Learner.load`` call them); ``orchestrator.import_run`` writes one from a
 reference-trainer checkpoint through the same names and ``write_state``.
 """
 from __future__ import annotations
@@ -44,3 +44,83 @@ def read_state(directory, injection_mode: str) -> dict:
         raise ValueError(f"{d / STATE_FILE}: saved with injection mode {state.get('injection_mode')!r}, "
                          f"this run uses {injection_mode!r}")
     return state
+
+
+# ---- a Learner's whole state, written and read (Learner.save / save_reference / load call these) ----
+def save(learner, directory, reference: str | None = None) -> Path:
+    """Policy adapter, optimiser state, RNG, step and version, atomically; the frozen reference adapter
+    too, or, given ``reference`` (a directory ``save_reference`` wrote), a record pointing at it."""
+    from learner.policy import POLICY, REFERENCE
+    from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
+
+    with atomic_directory(directory) as tmp:
+        _save_adapter(learner, POLICY, tmp / POLICY_DIR)
+        if reference is None:
+            _save_adapter(learner, REFERENCE, tmp / REFERENCE_DIR)
+        else:
+            # relative to the final directory, which sits where ``tmp`` does
+            write_reference(tmp / REFERENCE_RECORD, reference, [ADAPTER_FILE, ADAPTER_CONFIG])
+        save_optimizer(tmp, learner.optimizer, learner.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META)
+        save_tensors(tmp / RNG_FILE, capture_rng())
+        write_state(tmp, learner.step, learner.version, learner.cfg.injection.mode, learner.micro_batch_tokens)
+    return Path(directory)
+
+
+def save_reference(learner, directory) -> Path:
+    """The frozen reference adapter alone (written once per run; checkpoints then point at it)."""
+    from learner.policy import REFERENCE
+    from shared.fileio import atomic_directory
+
+    with atomic_directory(directory) as tmp:
+        _save_adapter(learner, REFERENCE, tmp, mkdir=False)
+    return Path(directory)
+
+
+def _save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> None:
+    from shared.fileio import save_tensors, write_json
+    from shared.injection import INJECTION_RECORD, injection_record
+
+    if mkdir:
+        directory.mkdir()
+    save_tensors(directory / ADAPTER_FILE, learner.policy.adapter_parameters(name))
+    write_json(directory / ADAPTER_CONFIG, learner._peft_config(name))
+    write_json(directory / INJECTION_RECORD, injection_record(learner.cfg))  # what the adapter expects to read
+
+
+def _load_adapter(learner, name: str, path: Path) -> None:
+    import torch
+
+    from shared.fileio import load_tensors
+
+    tensors = load_tensors(path)
+    live = learner.policy.adapter_parameters(name)
+    if set(tensors) != set(live):
+        missing, extra = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
+        raise ValueError(f"{path}: adapter keys do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
+    with torch.no_grad():
+        for key, p in live.items():
+            if tensors[key].shape != p.shape:
+                raise ValueError(f"{path}: {key}: expected shape {tuple(p.shape)}, found {tuple(tensors[key].shape)}")
+            p.copy_(tensors[key])
+
+
+def load(learner, directory) -> None:
+    """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
+    from learner.policy import POLICY, REFERENCE
+    from shared.fileio import load_optimizer, load_tensors, resolve_reference, restore_rng
+
+    d = Path(directory)
+    state = read_state(d, learner.cfg.injection.mode)
+    # first: it checks that the saved parameters are this adapter's before anything is overwritten
+    load_optimizer(d, learner.optimizer, learner.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
+    _load_adapter(learner, POLICY, d / POLICY_DIR / ADAPTER_FILE)
+    # the reference is the run's initial adapter: restored from the checkpoint (a copy, or the frozen
+    # file its record points at, checked against its SHA-256), never trained
+    if (d / REFERENCE_DIR).is_dir():
+        _load_adapter(learner, REFERENCE, d / REFERENCE_DIR / ADAPTER_FILE)
+    else:
+        _load_adapter(learner, REFERENCE, resolve_reference(d / REFERENCE_RECORD) / ADAPTER_FILE)
+    restore_rng(load_tensors(d / RNG_FILE))
+    learner.step, learner.version = int(state["step"]), int(state["version"])
+    # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)
+    learner.micro_batch_tokens = state.get("micro_batch_tokens")

@@ -1,4 +1,4 @@
-"""AV-SFT on the learner's own path: the RL policy (``learner.service.Learner``: PEFT LoRA, packed rows,
+"""AV-SFT on the learner's own path: the RL policy (``learner.learner.Learner``: PEFT LoRA, packed rows,
 LoRA computed in the model dtype, chunked LM-head logprobs, data-parallel ranks), with the GRPO loss
 replaced by the token-mean cross-entropy of the explanation given the injected prompt.
 
@@ -13,16 +13,17 @@ import time
 import torch
 
 from learner.policy import POLICY
-from learner.service import Learner, _Item, _sync
+from learner.learner import Learner, _sync
+from learner.micro_batches import Item
 from sft.plan import token_nll_sum
 
 
-def _items(prompts, sites, responses, vectors) -> list[_Item]:
+def _items(prompts, sites, responses, vectors) -> list[Item]:
     import numpy as np
 
     # a copy: arrays that crossed Ray are read-only, which torch warns about
     vecs = vectors.float() if isinstance(vectors, torch.Tensor) else torch.from_numpy(np.array(vectors, dtype=np.float32))
-    return [_Item(i, list(p), list(r), int(s), vecs[i], torch.empty(0), 0.0)
+    return [Item(i, list(p), list(r), int(s), vecs[i], torch.empty(0), 0.0)
             for i, (p, s, r) in enumerate(zip(prompts, sites, responses))]
 
 

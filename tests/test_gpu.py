@@ -66,7 +66,7 @@ def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter"):
 
 
 def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
-    from learner.service import Learner
+    from learner.learner import Learner
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
@@ -142,7 +142,7 @@ def test_the_merged_nf4_engine_runs_the_learners_dequantised_base(tiny_bf16_dir)
     the NF4 learner stays within 2x of the bf16 merged pair's."""
     pytest.importorskip("vllm")
     bnbf = pytest.importorskip("bitsandbytes.functional")
-    from learner.service import Learner
+    from learner.learner import Learner
     from rollout.vllm_compat import worker_model
     from rollout.vllm_engine import VllmEngine
 
@@ -395,7 +395,7 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
     pytest.importorskip("vllm")
     from vllm.v1.core import kv_cache_utils
 
-    from learner.service import Learner
+    from learner.learner import Learner
     from rollout.vllm_engine import VllmEngine
     from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch, vectors_of
 
@@ -488,7 +488,7 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
     """rollout.engine_core=own_process on one GPU: the actor hands the learner's cuda_ipc message on to vLLM's
     worker, which opens the handle itself; the rollout then matches the learner at the bf16 noise floor."""
     pytest.importorskip("vllm")
-    from learner.service import Learner
+    from learner.learner import Learner
     from rollout.actor import RolloutActor
     from rollout.vllm_compat import engine_in_process
     from rollout_support import vectors_of

@@ -182,7 +182,7 @@ def test_the_first_step_after_import_is_the_reference_trainers_step(tiny_dir, re
     from safetensors.torch import load_file
 
     from learner.policy import POLICY, REFERENCE
-    from learner.service import Learner
+    from learner.learner import Learner
     from orchestrator.import_run import import_run
     from orchestrator.run_dir import RunDir
     from shared.spec import load_spec, sidecar_path

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from learner.service import Learner
+from learner.learner import Learner
 from shared.errors import NlaInputError
 
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses

@@ -2,7 +2,7 @@
 import pytest
 
 from learner.policy import POLICY, REFERENCE
-from learner.service import Learner
+from learner.learner import Learner
 from test_learner_service import _adv, _grads
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
@@ -46,7 +46,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(tiny_dir, uneven, mo
 
 
 def test_packing_shares_each_prompt_once(tiny_dir, uneven):
-    from learner.service import _items
+    from learner.micro_batches import items_from as _items
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8), load_tiny_spec(tiny_dir))
@@ -81,7 +81,7 @@ def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):
     g_whole, _ = _grads(learner, samples, adv, vectors)
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     learner.micro_batch_tokens = longest + 2  # rows of about one sample each
-    from learner.service import _items
+    from learner.micro_batches import items_from as _items
 
     assert sum(b.input_ids.shape[0] for _, b in learner._micro_batches(_items(samples, vectors))) > 3
     g_split, _ = _grads(learner, samples, adv, vectors)
@@ -102,7 +102,7 @@ def test_the_packed_forward_refuses_attention_it_cannot_mask(tiny_dir):
 
 
 def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(tiny_dir, uneven):
-    from learner.service import _items
+    from learner.micro_batches import items_from as _items
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=2), load_tiny_spec(tiny_dir))

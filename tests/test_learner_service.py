@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from learner.policy import POLICY, REFERENCE
-from learner.service import Learner
+from learner.learner import Learner
 from shared.errors import NlaInputError
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
@@ -41,7 +41,7 @@ def _equal(a, b):
 
 def _grads(learner, samples, advantages, vectors):
     """The gradient one update would step with (no step taken)."""
-    from learner.service import _items
+    from learner.micro_batches import items_from as _items
 
     items = _items(samples, vectors, advantages)
     learner.optimizer.zero_grad(set_to_none=True)

@@ -90,7 +90,7 @@ def sample_responses(tiny_dir, mode: str, n_prompts: int = 3, group: int = 2, ma
 
 
 def test_learner_logprobs_equal_the_independent_sampler(tiny_dir):
-    from learner.service import Learner
+    from learner.learner import Learner
 
     for mode in ("embed", "karvonen"):
         samples, vectors = sample_responses(tiny_dir, mode)

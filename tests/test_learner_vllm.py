@@ -25,7 +25,7 @@ def _max_gap(learner, samples, vectors, adapter="default"):
 def test_vllm_logprobs_equal_the_learners(tiny_dir, transport):
     pytest.importorskip("vllm")
     from learner.grpo import group_advantages
-    from learner.service import Learner
+    from learner.learner import Learner
     from rollout.vllm_engine import VllmEngine
     from shared.types import PromptRequest
 

@@ -11,31 +11,16 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from learner.checkpoint import (ADAPTER_CONFIG, ADAPTER_FILE, OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_DIR,
-                                REFERENCE_RECORD, RNG_FILE, read_state, write_state)
+from learner import checkpoint
 from learner.grpo import grpo_loss, logprob_mismatch, tis_weights
+from learner.micro_batches import Item, MicroBatches, items_from
 from learner.policy import POLICY, REFERENCE, Policy
 from shared.collective import GradientSums
 
-QUANTUM_TOKENS = 512  # the smallest per-rank token budget under micro_batch auto
-
-
-@dataclass
-class _Item:
-    """One non-empty sample, ready to batch."""
-
-    index: int
-    prompt_ids: list[int]
-    response_ids: list[int]
-    site: int
-    vector: torch.Tensor
-    rollout_logp: torch.Tensor
-    advantage: float
 
 
 def _base_parameter_count(model) -> int:
@@ -52,36 +37,6 @@ def _base_parameter_count(model) -> int:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _as_matrix(vectors, n: int) -> torch.Tensor:
-    if isinstance(vectors, (list, tuple)) and vectors and isinstance(vectors[0], torch.Tensor):
-        m = torch.stack([v.reshape(-1) for v in vectors])
-    else:
-        m = torch.as_tensor(vectors)
-    m = m.detach().to("cpu", torch.float32)
-    if m.ndim != 2 or m.shape[0] != n:
-        raise ValueError(f"vectors: expected [{n}, d] (one activation per sample), found {tuple(m.shape)}")
-    return m
-
-
-def _items(samples, vectors, advantages=None) -> list[_Item]:
-    """Validated non-empty samples (empty responses carry no token to learn from and are dropped)."""
-    vecs = _as_matrix(vectors, len(samples))
-    if advantages is not None and len(advantages) != len(samples):
-        raise ValueError(f"advantages: expected {len(samples)} values (one per sample), found {len(advantages)}")
-    items = []
-    for i, s in enumerate(samples):
-        if not s.response_ids:
-            continue
-        if len(s.logprobs) != len(s.response_ids):
-            raise ValueError(f"sample {i} (row {s.row_id}): {len(s.response_ids)} response ids but {len(s.logprobs)} logprobs")
-        if not 0 < s.site < len(s.prompt_ids) - 1:
-            raise ValueError(f"sample {i} (row {s.row_id}): marker site {s.site} outside the prompt's interior")
-        adv = 0.0 if advantages is None else float(advantages[i])
-        items.append(_Item(i, list(s.prompt_ids), list(s.response_ids), int(s.site), vecs[i],
-                           torch.tensor(s.logprobs, dtype=torch.float32), adv))
-    return items
 
 
 def _padded(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
@@ -120,86 +75,25 @@ class Learner:
         self.optimizer = make_adamw(self.params, cfg.learner.lr, cfg.learner.optimizer)
         self.step = 0
         self.version = 1  # the initial adapter is version 1, so rollouts can load it before step 0
-        self.micro_batch_tokens: int | None = None  # micro_batch auto: chosen at the first forward, then kept
+        self.micro_batches = MicroBatches(cfg, self.policy, self.dp, self.device)
         self.base_params = _base_parameter_count(self.model)
 
-    # ---- micro-batches ----------------------------------------------------------------------------
-    def _token_budget(self) -> int | None:
-        """Tokens per micro-batch under ``micro_batch: auto`` (chosen once, then kept; None otherwise)."""
-        if self.cfg.learner.micro_batch != "auto":
-            return None
-        if self.micro_batch_tokens is None:
-            from learner.memory_plan import plan_tokens
-            from learner.token_logprobs import CHUNK_BYTES
+    # ---- micro-batches (learner.micro_batches) ------------------------------------------------
+    @property
+    def micro_batch_tokens(self) -> int | None:
+        """The token budget ``micro_batch: auto`` chose (kept in checkpoints), or None."""
+        return self.micro_batches.budget
 
-            elem = self.model.get_input_embeddings().weight.element_size()
-            # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
-            # needs a few chunks of fp32 logits besides the activations
-            reserve = 0 if self.optimizer.state else 3 * sum(p.numel() * p.element_size() for p in self.params)
-            # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
-            if self.dp.world_size > 1:
-                reserve += 2 * sum(p.numel() * p.element_size() for p in self.params)
-            budget = plan_tokens(self.model.get_base_model().config, self.cfg.learner.lora_r, elem,
-                                 self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES)
-            # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
-            self.micro_batch_tokens = int(self.dp.min_value(budget, self.device))
-        return self.micro_batch_tokens
+    @micro_batch_tokens.setter
+    def micro_batch_tokens(self, value: int | None) -> None:
+        self.micro_batches.budget = value
 
-    def _plan(self, items: list[_Item]) -> list:
-        """The micro-batches one rank would run on ``items``, as ``(tokens, build)`` pairs: ``build()``
-        gives ``(idx, batch)``, ``idx[s]`` being the item that sample ``s`` of ``batch`` scores."""
-        mb = self.cfg.learner.micro_batch
-        budget = self._token_budget()
-        if self.policy.packed:
-            from learner.packing import build_rows, pack, plan_micro_batches
-
-            # an integer micro_batch bounds a row by what that many padded samples would hold, so a large
-            # group never needs more memory than the padded path did; auto bounds it by the budget
-            max_samples = None if mb == "auto" else mb
-            if budget is None:
-                budget = mb * max((len(it.prompt_ids) + len(it.response_ids) for it in items), default=1)
-            elif self.dp.world_size > 1:  # auto: enough micro-batches for every rank to have work
-                total = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
-                budget = max(QUANTUM_TOKENS, min(budget, -(-total // self.dp.world_size)))
-            rows = build_rows([it.prompt_ids for it in items], [it.site for it in items], [it.vector for it in items],
-                              [len(it.response_ids) for it in items], None, budget)
-            responses = [it.response_ids for it in items]
-
-            def packed(group):
-                def build():
-                    batch = pack(group, responses, self.policy.pad_id, self.device)
-                    return batch.members, batch
-                return sum(r.length for r in group), build
-
-            return [packed(group) for group in plan_micro_batches(rows, max_samples, budget)]
-        if mb == "auto":
-            mb = max(1, budget // max(len(it.prompt_ids) + len(it.response_ids) for it in items))
-            if self.dp.world_size > 1:
-                mb = max(1, min(mb, -(-len(items) // self.dp.world_size)))
-
-        def padded(start):
-            chunk = items[start: start + mb]
-
-            def build():
-                batch = self.policy.batch([it.prompt_ids for it in chunk], [it.response_ids for it in chunk],
-                                          [it.site for it in chunk], torch.stack([it.vector for it in chunk]))
-                return list(range(start, start + len(chunk))), batch
-            return sum(len(it.prompt_ids) + len(it.response_ids) for it in chunk), build
-
-        return [padded(start) for start in range(0, len(items), mb)]
-
-    def _micro_batches(self, items: list[_Item], mine: bool = True):
-        """``(idx, batch)`` per micro-batch of the plan: with ``mine``, only this rank's share of it
-        (``shared.collective.deal_micro_batches``), so N ranks run exactly the micro-batches one would."""
-        if not items:
-            return
-        plan = self._plan(items)
-        for j in (self.dp.share([tokens for tokens, _ in plan]) if mine else range(len(plan))):
-            yield plan[j][1]()
+    def _micro_batches(self, items: list[Item], mine: bool = True):
+        return self.micro_batches(items, self.params, self.optimizer, mine)
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _score(self, items: list[_Item], adapter: str, mine: bool = True) -> list[torch.Tensor]:
+    def _score(self, items: list[Item], adapter: str, mine: bool = True) -> list[torch.Tensor]:
         """Logprobs per item (``mine``: only for this rank's micro-batches, None elsewhere)."""
         out: list = [None] * len(items)
         was_training = self.model.training
@@ -218,14 +112,14 @@ class Learner:
         """Per-token response logprobs under ``adapter`` ("default" or "reference"); [] for empty responses."""
         if adapter not in (POLICY, REFERENCE):
             raise ValueError(f"adapter: expected {POLICY!r} or {REFERENCE!r}, found {adapter!r}")
-        items = _items(samples, vectors)
+        items = items_from(samples, vectors)
         result: list[list[float]] = [[] for _ in samples]
         for it, lp in zip(items, self._score(items, adapter, mine=False)):
             result[it.index] = lp.tolist()
         return result
 
     # ---- training --------------------------------------------------------------------------------
-    def _accumulate(self, items: list[_Item], old: list[torch.Tensor], keep: list[bool] | None) -> dict:
+    def _accumulate(self, items: list[Item], old: list[torch.Tensor], keep: list[bool] | None) -> dict:
         """Fused forward/reference/loss/backward over micro-batches; gradients left in ``.grad``.
 
         ``keep=None`` decides the mismatch mask from each micro-batch's own forward (old = rollout
@@ -333,7 +227,7 @@ class Learner:
         ``ppo_epochs > 1`` they are recomputed by the learner first and that many steps are taken.
         Samples whose mismatch k3 exceeds ``mismatch_mask_k3`` are left out of the loss.
         """
-        items = _items(samples, vectors, advantages)
+        items = items_from(samples, vectors, advantages)
         epochs = self.cfg.learner.ppo_epochs
         _sync(self.device)
         t0 = time.perf_counter()
@@ -432,71 +326,15 @@ class Learner:
                     total[2] += moment.double().abs().sum()
         return [self.step, self.version, *total.tolist()]
 
+    # ---- checkpoints (learner.checkpoint) --------------------------------------------------------
     def save(self, directory, reference: str | None = None) -> Path:
-        """Policy adapter, optimiser state, RNG, step and version, atomically; the frozen reference adapter
-        too, or, given ``reference`` (a directory ``save_reference`` wrote), a record pointing at it."""
-        from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
-
-        with atomic_directory(directory) as tmp:
-            self._save_adapter(POLICY, tmp / POLICY_DIR)
-            if reference is None:
-                self._save_adapter(REFERENCE, tmp / REFERENCE_DIR)
-            else:
-                # relative to the final directory, which sits where ``tmp`` does
-                write_reference(tmp / REFERENCE_RECORD, reference, [ADAPTER_FILE, ADAPTER_CONFIG])
-            save_optimizer(tmp, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META)
-            save_tensors(tmp / RNG_FILE, capture_rng())
-            write_state(tmp, self.step, self.version, self.cfg.injection.mode, self.micro_batch_tokens)
-        return Path(directory)
+        """Policy adapter, optimiser state, RNG, step and version, atomically (``learner.checkpoint.save``)."""
+        return checkpoint.save(self, directory, reference)
 
     def save_reference(self, directory) -> Path:
         """The frozen reference adapter alone (written once per run; checkpoints then point at it)."""
-        from shared.fileio import atomic_directory
-
-        with atomic_directory(directory) as tmp:
-            self._save_adapter(REFERENCE, tmp, mkdir=False)
-        return Path(directory)
-
-    def _save_adapter(self, name: str, directory: Path, mkdir: bool = True) -> None:
-        from shared.fileio import save_tensors, write_json
-        from shared.injection import INJECTION_RECORD, injection_record
-
-        if mkdir:
-            directory.mkdir()
-        save_tensors(directory / ADAPTER_FILE, self.policy.adapter_parameters(name))
-        write_json(directory / ADAPTER_CONFIG, self._peft_config(name))
-        write_json(directory / INJECTION_RECORD, injection_record(self.cfg))  # what the adapter expects to read
-
-    def _load_adapter(self, name: str, path: Path) -> None:
-        from shared.fileio import load_tensors
-
-        tensors = load_tensors(path)
-        live = self.policy.adapter_parameters(name)
-        if set(tensors) != set(live):
-            missing, extra = sorted(set(live) - set(tensors)), sorted(set(tensors) - set(live))
-            raise ValueError(f"{path}: adapter keys do not match the model (missing {missing[:3]}, unexpected {extra[:3]})")
-        with torch.no_grad():
-            for key, p in live.items():
-                if tensors[key].shape != p.shape:
-                    raise ValueError(f"{path}: {key}: expected shape {tuple(p.shape)}, found {tuple(tensors[key].shape)}")
-                p.copy_(tensors[key])
+        return checkpoint.save_reference(self, directory)
 
     def load(self, directory) -> None:
-        """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
-        from shared.fileio import load_optimizer, load_tensors, resolve_reference, restore_rng
-
-        d = Path(directory)
-        state = read_state(d, self.cfg.injection.mode)
-        # first: it checks that the saved parameters are this adapter's before anything is overwritten
-        load_optimizer(d, self.optimizer, self.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
-        self._load_adapter(POLICY, d / POLICY_DIR / ADAPTER_FILE)
-        # the reference is the run's initial adapter: restored from the checkpoint (a copy, or the frozen
-        # file its record points at, checked against its SHA-256), never trained
-        if (d / REFERENCE_DIR).is_dir():
-            self._load_adapter(REFERENCE, d / REFERENCE_DIR / ADAPTER_FILE)
-        else:
-            self._load_adapter(REFERENCE, resolve_reference(d / REFERENCE_RECORD) / ADAPTER_FILE)
-        restore_rng(load_tensors(d / RNG_FILE))
-        self.step, self.version = int(state["step"]), int(state["version"])
-        # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)
-        self.micro_batch_tokens = state.get("micro_batch_tokens")
+        """Restore a ``save``d state exactly (``learner.checkpoint.load``)."""
+        checkpoint.load(self, directory)
