@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from shared.errors import NlaInputError
-from shared.fileio import lock_directory
+from shared.fileio import lock_directory, write_json
 
 AV_TEMPLATE = "Describe the concept <concept>{injection_char}</concept> in a few words."
 AR_TEMPLATE = "Explanation: {explanation}\nReconstruct the concept."
@@ -287,8 +287,7 @@ def run_chunks(job: ChunkJob, worker: int, workers: int, stop_after: int | None 
             tmp = work / name / f".part-{c:06d}.tmp"
             pq.write_table(_table(rows[name], job.d_model, prompt), tmp, write_page_checksum=True)
             tmp.replace(work / name / f"part-{c:06d}.parquet")
-        (work / "done" / f".chunk-{c:06d}.tmp").write_text(json.dumps({"skipped": short}))
-        (work / "done" / f".chunk-{c:06d}.tmp").replace(work / "done" / f"chunk-{c:06d}")
+        write_json(work / "done" / f"chunk-{c:06d}", {"skipped": short})
         ran += 1
         if on_chunk is not None:
             on_chunk()
@@ -393,8 +392,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
         raise NlaInputError(out, "exists and is not empty (choose a new OUT_DIR)")
     (work / "done").mkdir(parents=True, exist_ok=True)
     held = lock_directory(work, "another extraction is writing into this directory")  # until the merge is done
-    (work / ".state.tmp").write_text(json.dumps({"args": args}))
-    (work / ".state.tmp").replace(state_path)
+    write_json(state_path, {"args": args})
     done = {int(p.name.split("-")[1]) for p in (work / "done").glob("chunk-*")}
     for name in shares:
         (work / name).mkdir(exist_ok=True)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.fileio import write_json
+
 MARKER = "※"
 CONCEPT_OPEN, CONCEPT_CLOSE = "<concept>", "</concept>"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -238,7 +240,7 @@ def build_tiny(out_dir: str | Path, seed: int = 0, n_docs: int = 256, noise: flo
         doc_ids = [d[0] for d in docs for _ in range(ROWS_PER_DOC)]
         texts = [" ".join(d[2]) for d in docs for _ in range(ROWS_PER_DOC)]
         write_rl_parquet(tmp / "rl.parquet", [prompt] * len(doc_ids), acts, doc_ids, texts=texts)
-        (tmp / "topics.json").write_text(json.dumps(topics))
+        write_json(tmp / "topics.json", topics)
         # the same documents as a corpus, for the pipeline's own extraction (deploy/pipeline-tiny.yaml)
         (tmp / "corpus.jsonl").write_text("".join(json.dumps({"doc_id": d[0], "text": " ".join(d[2])}) + "\n" for d in docs))
         write_confusion_records(tmp / "karvonen_confusion.jsonl", prompt, acts, topics, doc_ids)
