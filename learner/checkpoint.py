@@ -54,9 +54,9 @@ def save(learner, directory, reference: str | None = None) -> Path:
     from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
 
     with atomic_directory(directory) as tmp:
-        _save_adapter(learner, POLICY, tmp / POLICY_DIR)
+        save_adapter(learner, POLICY, tmp / POLICY_DIR)
         if reference is None:
-            _save_adapter(learner, REFERENCE, tmp / REFERENCE_DIR)
+            save_adapter(learner, REFERENCE, tmp / REFERENCE_DIR)
         else:
             # relative to the final directory, which sits where ``tmp`` does
             write_reference(tmp / REFERENCE_RECORD, reference, [ADAPTER_FILE, ADAPTER_CONFIG])
@@ -72,11 +72,12 @@ def save_reference(learner, directory) -> Path:
     from shared.fileio import atomic_directory
 
     with atomic_directory(directory) as tmp:
-        _save_adapter(learner, REFERENCE, tmp, mkdir=False)
+        save_adapter(learner, REFERENCE, tmp, mkdir=False)
     return Path(directory)
 
 
-def _save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> None:
+def save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> None:
+    """One of the learner's adapters as a PEFT directory (tensors, config, the injection record it reads)."""
     from shared.fileio import save_tensors, write_json
     from shared.injection import INJECTION_RECORD, injection_record
 

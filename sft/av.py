@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from learner import checkpoint
 from learner.policy import POLICY
 from learner.learner import Learner, _sync
 from learner.micro_batches import Item
@@ -89,7 +90,7 @@ class AvSftLearner(Learner):
         from shared.injection import SFT_RECORD
 
         with atomic_directory(directory) as tmp:
-            self._save_adapter(POLICY, tmp, mkdir=False)
+            checkpoint.save_adapter(self, POLICY, tmp, mkdir=False)
             lc = self.cfg.learner
             # what an RL run must agree with to start from this adapter (shared.injection.check_adapter_sft)
             write_json(tmp / SFT_RECORD, {"stage": "av", "lora_r": lc.lora_r, "lora_alpha": lc.lora_alpha,
