@@ -6,18 +6,21 @@
     rng.safetensors           every RNG state the update draws from
     learner_state.json        format, step, adapter version, injection mode, the micro-batch token budget
 
-``save`` / ``load`` below write and read it (``Learner.save`` / ``Learner.load`` call them); ``orchestrator.import_run`` writes one from a
-reference-trainer checkpoint through the same names and ``write_state``.
+``save`` / ``load`` below write and read it (``Learner.save`` / ``Learner.load`` call them);
+``orchestrator.import_run`` writes one from a reference-trainer checkpoint through the same names and
+``write_state``. The adapter directories' file names are ``shared.adapter``'s.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from shared.adapter import ADAPTER_CONFIG
+from shared.adapter import ADAPTER_WEIGHTS as ADAPTER_FILE
+
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "learner_state.json"
 OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
 RNG_FILE = "rng.safetensors"
-ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
 POLICY_DIR, REFERENCE_DIR = "policy", "reference"
 REFERENCE_RECORD = "reference.json"  # where a checkpoint points at the run's frozen reference adapter
 

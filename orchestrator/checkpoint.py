@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from learner.checkpoint import REFERENCE_RECORD
 from learner.checkpoint import STATE_FILE as LEARNER_STATE
 from shared.errors import NlaInputError
 
@@ -100,7 +101,7 @@ def checkpoint_problem(ckpt: Path, required: tuple | None = None) -> str | None:
                     list(h.keys())
         except Exception as exc:  # any parse failure means "damaged"; the caller names the file
             return f"{rel} is damaged ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]})"
-    for record in sorted(ckpt.rglob("reference.json")):
+    for record in sorted(ckpt.rglob(REFERENCE_RECORD)):
         try:
             resolve_reference(record)
         except NlaInputError as exc:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shared.errors import NlaInputError
 
 TRAINING_STATE = "training_state.pt"
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+ADAPTER_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
 NESTED_8BIT = "__bnb_optimizer_quant_state__"  # where bitsandbytes' 8-bit optimisers keep their moments
 
 
@@ -83,13 +84,13 @@ def adapter_order(adapter: Path, model_dir: Path) -> list[str]:
     from shared.model_checks import _linear_modules
 
     position = {name: i for i, name in enumerate(_linear_modules(str(model_dir)))}
-    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+    with safe_open(str(adapter / ADAPTER_WEIGHTS), framework="pt") as f:
         keys = list(f.keys())
 
     def where(key):
         m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])\.weight", key)
         if m is None or m.group(1) not in position:
-            raise NlaInputError(adapter / "adapter_model.safetensors", f"{key}: not a LoRA tensor of a linear module of {model_dir}")
+            raise NlaInputError(adapter / ADAPTER_WEIGHTS, f"{key}: not a LoRA tensor of a linear module of {model_dir}")
         return position[m.group(1)], m.group(2)
 
     return sorted(keys, key=where)
@@ -127,10 +128,10 @@ def _check_anchor(iter_dir: Path, av_sft: Path) -> None:
     """``ITER_DIR/reference/`` (where the reference trainer saved its KL anchor) holds the ``--av-sft`` tensors."""
     from shared.fileio import load_tensors
 
-    saved = iter_dir / "reference" / "adapter_model.safetensors"
+    saved = iter_dir / "reference" / ADAPTER_WEIGHTS
     if not saved.is_file():
         return
-    a, b = load_tensors(saved), load_tensors(av_sft / "adapter_model.safetensors")
+    a, b = load_tensors(saved), load_tensors(av_sft / ADAPTER_WEIGHTS)
     same = a.keys() == b.keys() and all(a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)
     if not same:
         raise NlaInputError(av_sft, f"--av-sft: its tensors are not those of {saved.parent}, the KL anchor that run used")
@@ -224,7 +225,7 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
 
     # ---- the policy: adapter, frozen reference, optimiser, RNG, step ----
     names = adapter_order(imported / "policy", Path(cfg.model.path))
-    with safe_open(str(imported / "policy" / "adapter_model.safetensors"), framework="pt") as f:
+    with safe_open(str(imported / "policy" / ADAPTER_WEIGHTS), framework="pt") as f:
         sizes = {k: int(torch.Size(f.get_slice(k).get_shape()).numel()) for k in names}
     optim, optim_class, more = _actor_optimizer(sd, names, sizes, cfg.learner.lr, iter_dir / TRAINING_STATE)
     notes += more

@@ -195,15 +195,14 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
 
             check_adapter_injection(adapter, cfg, log)
             check_adapter_sft(adapter, cfg, spec, f"learner.{field}")
-            check_adapter_dir(adapter, model_dir, f"learner.{field}")
-    if cfg.learner.adapter_init is not None and cfg.rollout.backend == "vllm" and cfg.rollout.lora == "adapter":
-        from shared.adapter import AdapterDir
-        from shared.config import VLLM_MAX_LORA_RANK
+            rank = check_adapter_dir(adapter, model_dir, f"learner.{field}").max_rank
+            # the policy's adapter goes to vLLM's LoRA kernels on the adapter route (the reference never does)
+            if field == "adapter_init" and cfg.rollout.backend == "vllm" and cfg.rollout.lora == "adapter":
+                from shared.config import VLLM_MAX_LORA_RANK
 
-        rank = AdapterDir.read(cfg.learner.adapter_init, "learner.adapter_init").max_rank
-        if rank > VLLM_MAX_LORA_RANK:
-            raise NlaInputError(cfg.learner.adapter_init, f"learner.adapter_init: LoRA rank {rank}, above the {VLLM_MAX_LORA_RANK} "
-                                                          "vLLM's LoRA kernels take; use rollout.lora=merged")
+                if rank > VLLM_MAX_LORA_RANK:
+                    raise NlaInputError(adapter, f"learner.adapter_init: LoRA rank {rank}, above {VLLM_MAX_LORA_RANK}, the "
+                                                 "largest vLLM's LoRA kernels take; use rollout.lora=merged")
     for s in cfg.rollout.extra_stop_tokens:
         ids = as_ids(tok.encode(s, add_special_tokens=False))
         if len(ids) != 1:

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rollout.vllm_compat import engine_in_process
+from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shared.fileio import jsonable, write_json
 from shared.types import AdapterUpdate
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_name(version: int) -> str:

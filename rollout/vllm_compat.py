@@ -339,14 +339,12 @@ def received_message(payload):
 
 
 def message_tensors(message) -> dict:
-    """Inside a vLLM worker: the tensors of a ``cuda_ipc`` ``shared.weight_sync.AdapterMessage`` (or of its
-    ``forwarded_message`` bytes), copied from the learner's GPU buffer into this worker's memory (the
-    mapping is released at once)."""
+    """Inside a vLLM worker: the tensors of a ``cuda_ipc`` ``shared.weight_sync.AdapterMessage``, copied
+    from the learner's GPU buffer into this worker's memory (the mapping is released at once)."""
     import torch
 
     from shared.weight_sync import CudaIpcReceiver
 
-    message = received_message(message) or message
     return CudaIpcReceiver().receive(message, torch.device("cuda", torch.cuda.current_device())).tensors
 
 

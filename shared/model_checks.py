@@ -80,11 +80,12 @@ def check_target_modules(model_dir, target_modules: list[str], field: str = "lea
                                       f"({', '.join(sorted(linear - {'lm_head'}))})")
 
 
-def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
+def check_adapter_dir(adapter_dir, model_dir, field: str):
     """A PEFT adapter directory the learner will load (``learner.adapter_init`` / ``reference_adapter``),
     checked before any actor starts: its config and tensor file (safetensors: a pickled ``.bin`` is
     refused), targets that are linear modules of the model and not the embeddings or the head, and
-    every LoRA tensor's shape against its module's (read from the header and a meta-device model)."""
+    every LoRA tensor's shape against its module's (read from the header and a meta-device model).
+    Returns it as ``shared.adapter.AdapterDir``."""
     import re
 
     from safetensors import safe_open
@@ -112,6 +113,7 @@ def check_adapter_dir(adapter_dir, model_dir, field: str) -> None:
         want = (r, module[0]) if m.group(2) == "A" else (module[1], r)
         if shape != want:
             raise NlaInputError(weights, f"{key}: expected shape {want} for {m.group(1)} of {model_dir}, found {shape}")
+    return adapter
 
 
 _SAFETENSORS_DTYPE = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
