@@ -84,7 +84,7 @@ def job_config(root: Path, args) -> dict:
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
                     "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching, "lora": args.lora,
-                    "sleep_during_update": args.sleep, "engine_core": args.engine_core},
+                    "sleep_during_update": {"on": True, "off": False}.get(args.sleep, "auto"), "engine_core": args.engine_core},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules},
@@ -122,7 +122,9 @@ def main() -> int:
     step_benchmark.add_workload_args(ap, steps=5)
     ap.add_argument("--out", default="benchmarks/results/h200-job.json")
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
-    ap.add_argument("--sleep", action="store_true", help="rollout.sleep_during_update (colocated only)")
+    ap.add_argument("--sleep", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
+                    help="rollout.sleep_during_update (colocated only): auto, the config's default, sleeps above "
+                         "512 samples a step; a bare --sleep is on")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
     for flag, choices, default, text in CHOICES:
         ap.add_argument(flag, choices=choices, default=default, help=text)

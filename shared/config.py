@@ -153,8 +153,10 @@ class RolloutConfig(_Section):
     """KV cache size on CPU engines, MiB."""
     max_loras: int = Field(2, ge=1, le=64)
     """Adapters an engine keeps registered; older versions are retired."""
-    sleep_during_update: bool = False
-    """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates."""
+    sleep_during_update: Union[Literal["auto"], bool] = "auto"
+    """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
+    its micro-batches get the engine's share. auto = on where it was measured to pay: colocated vLLM without
+    grpo.overlap_rollout, more than ``SLEEP_PAYS_ABOVE`` samples a step (benchmarks/RESULTS.md §10)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -513,7 +515,22 @@ class RunConfig(_Section):
             raise ValueError("\n".join(problems))
         if self.weight_sync.kind == "auto":
             self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
+        if self.rollout.sleep_during_update == "auto":
+            self.rollout.sleep_during_update = sleep_pays(self)
         return self
+
+
+SLEEP_PAYS_ABOVE = 512
+"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape):
+at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell 8.5 s for 0.8 s of
+sleep and wake-up; at 64 x 8 the estimate is about even."""
+
+
+def sleep_pays(cfg) -> bool:
+    """``rollout.sleep_during_update: auto`` resolved: a colocated vLLM engine, no overlapped rollout, and a
+    batch above ``SLEEP_PAYS_ABOVE`` samples."""
+    return (cfg.placement.mode == "colocated" and cfg.rollout.backend == "vllm" and not cfg.grpo.overlap_rollout
+            and cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE)
 
 
 def critic_rank(critic: CriticConfig) -> int | None:
@@ -589,7 +606,7 @@ def vllm_on_gpus_computes_in_16_bits(cfg):
 @_rule
 def sleep_needs_a_shared_gpu(cfg):
     p, r = cfg.placement, cfg.rollout
-    if r.sleep_during_update and (p.mode != "colocated" or r.backend != "vllm"):
+    if r.sleep_during_update is True and (p.mode != "colocated" or r.backend != "vllm"):
         return (f"rollout.sleep_during_update needs placement.mode=colocated and rollout.backend=vllm (found {p.mode}, "
                 f"{r.backend}): only a GPU shared with the learner gains from it")
 
@@ -638,7 +655,7 @@ def overlap_takes_one_epoch(cfg):
 
 @_rule
 def overlap_or_sleep(cfg):
-    if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update:
+    if cfg.grpo.overlap_rollout and cfg.rollout.sleep_during_update is True:
         return ("grpo.overlap_rollout with rollout.sleep_during_update: the engines would sleep through the rollout they are "
                 "meant to overlap with the update; choose one")
 

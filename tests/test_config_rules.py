@@ -116,3 +116,15 @@ def test_each_weight_sync_variant_is_refused_where_it_cannot_run(raw, needle):
         build_config(raw)
     for ok in ({"weight_sync": {"kind": "host"}}, _with(GPU, weight_sync={"kind": "cuda_ipc"}), {"weight_sync": {"kind": "file"}}):
         build_config(ok)
+
+
+@pytest.mark.parametrize("raw, sleeps", [
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), True),     # 1,024 samples: pays
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}), False),     # 512: about even, stays awake
+    (_with(GPU, grpo={"prompts_per_step": 128, "overlap_rollout": True}, rollout={"group_size": 8}), False),
+    ({"grpo": {"prompts_per_step": 128}, "rollout": {"group_size": 8}}, False),        # the CPU placement
+    (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8, "sleep_during_update": True}), True),
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8, "sleep_during_update": False}), False),
+])
+def test_sleep_during_update_auto_sleeps_where_it_was_measured_to_pay(raw, sleeps):
+    assert RunConfig.model_validate(raw).rollout.sleep_during_update is sleeps
