@@ -453,11 +453,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api", choices=("openai", "anthropic"), default="openai",
                         help="OpenAI-compatible chat completions or Anthropic Messages (default: openai)")
     parser.add_argument("--api-key-env", metavar="VAR", default=None, help="the environment variable holding the key")
-    parser.add_argument("--concurrency", metavar="K", type=int, default=8, help="requests in flight (default 8)")
+    parser.add_argument("--concurrency", metavar="K", type=int, default=8, help="requests in flight")
     parser.add_argument("--max-rows", metavar="N", type=int, default=None, help="explain only the first N rows of each split")
-    parser.add_argument("--timeout-s", type=float, default=120.0, help="per request (default 120)")
-    parser.add_argument("--retries", type=int, default=3, help="retries of a request on timeouts, 429 and 5xx (default 3)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="the teacher's reply cap (default 256)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="per request")
+    parser.add_argument("--retries", type=int, default=3, help="retries of a request on timeouts, 429 and 5xx")
+    parser.add_argument("--max-tokens", type=int, default=256, help="the teacher's reply cap")
 
 
 def run(args, log=print) -> int:

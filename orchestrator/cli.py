@@ -4,6 +4,27 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's default after its description, where it has one worth saying (not None, False or [])."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (default in (None, False, [], argparse.SUPPRESS) or "default" in text
+                or not action.option_strings and action.nargs not in ("?", "*")):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """The command's parsers, each subcommand's too (argparse makes them of the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def _add_overrides(parser, help: str) -> None:
@@ -16,35 +37,36 @@ def _group(sub, name: str, help: str):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nla-grpo", description="Train natural language autoencoders with GRPO on Ray + vLLM.")
+    p = _Parser(prog="nla-grpo", description="Train natural language autoencoders with GRPO on Ray + vLLM.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="run (or resume) a GRPO job")
     t.add_argument("config", nargs="?", help="run config YAML (see deploy/)")
     t.add_argument("--run-dir", help="run directory (default runs/<config name>-<time>)")
-    t.add_argument("--steps", type=int, help="total step count to reach")
+    t.add_argument("--steps", type=int, help="total step count to reach (default: the config's grpo.steps)")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     _add_overrides(t, "override a config field, e.g. grpo.steps=10")
 
     cc = _group(sub, "config", "run configs: check one before submitting it").add_parser("check", help="validate a run config as `train` would (schema, cross-field rules, model "
-                          "config, sidecar, tokenizer, data) without loading weights or starting Ray; print it resolved")
-    cc.add_argument("config")
-    _add_overrides(cc, "override a config field")
+                          "config, sidecar, tokenizer, data) without loading weights or starting Ray; one ok line")
+    cc.add_argument("config", help="run config YAML (see deploy/)")
+    cc.add_argument("--show", action="store_true", help="also print the config resolved (every field, defaults filled in) as YAML")
+    _add_overrides(cc, "override a config field, e.g. grpo.steps=10")
 
     dsub = _group(sub, "data", "datasets: the tiny fixture, activations from a corpus, teacher explanations, checks")
     dt = dsub.add_parser("tiny", help="write a tiny Qwen3, tokenizer, RL parquet and sidecar")
-    dt.add_argument("out_dir")
-    dt.add_argument("--seed", type=int, default=0)
+    dt.add_argument("out_dir", help="an empty or new directory: model/, rl.parquet and its sidecar go there")
+    dt.add_argument("--seed", type=int, default=0, help="seed of the random model's weights and of the data")
     de = dsub.add_parser("extract", help="build the RL dataset (and SFT splits) from a subject model and a corpus")
     de.add_argument("corpus", help="parquet or JSONL of documents: 'text', optional 'doc_id'")
     de.add_argument("--model", required=True, help="the subject model's directory")
     de.add_argument("--layer", type=int, required=True, help="the residual stream after this decoder block (0-based)")
     de.add_argument("--out", required=True, help="output directory: <split>.parquet + sidecars")
-    de.add_argument("--positions-per-doc", type=int, default=10)
+    de.add_argument("--positions-per-doc", type=int, default=10, help="token positions sampled from each document, one row each")
     de.add_argument("--min-position", type=int, default=50, help="first token position a vector may come from")
-    de.add_argument("--max-docs", type=int)
+    de.add_argument("--max-docs", type=int, help="stop after this many documents (default: the whole corpus)")
     de.add_argument("--splits", default="av_sft=0.25,ar_sft=0.25,rl=0.5", help="document shares per split (a hash of doc_id)")
-    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--seed", type=int, default=0, help="seed of the positions sampled in each document")
     de.add_argument("--max-tokens", type=int, default=512, help="documents are cut to this many tokens")
     de.add_argument("--batch-size", type=int, default=16, help="documents per forward")
     de.add_argument("--chunk-docs", type=int, default=256, help="documents per row group (and per resumable step)")
@@ -58,10 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     explain_arguments(dsub.add_parser("explain", help="a teacher LLM's explanation for every row of the av_sft and ar_sft "
                                                       "splits -> <split>.explained.parquet (resumable)"))
     dc = dsub.add_parser("check", help="validate an RL parquet against its sidecar and tokenizer")
-    dc.add_argument("parquet")
+    dc.add_argument("parquet", help="the RL parquet (rows of an activation and its document's context)")
     dc.add_argument("--sidecar", help="sidecar YAML (default <parquet>.nla_meta.yaml)")
     dc.add_argument("--model", help="model/tokenizer directory (default: the sidecar's base_model when local)")
-    dc.add_argument("--eval-fraction", type=float, default=0.1)
+    dc.add_argument("--eval-fraction", type=float, default=0.1, help="share of documents held out for evals, as data.eval_fraction")
     dc.add_argument("--config", help="a run config: also check what training on this parquet with it checks "
                     "(its prefill, stop tokens, karvonen layer, batch size, eval rows)")
     _add_overrides(dc, "override a field of --config")
@@ -79,8 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ci = _group(sub, "critic", "AR checkpoints").add_parser("import-reference", help="convert the reference trainer's AR-LoRA directory "
                          "(ar_meta.json + ar_lora_value_head.safetensors) into a critic.checkpoint directory")
-    ci.add_argument("ar_dir")
-    ci.add_argument("out_dir")
+    ci.add_argument("ar_dir", help="the reference trainer's AR-LoRA directory")
+    ci.add_argument("out_dir", help="the critic checkpoint directory to write (new or empty)")
     ci.add_argument("--model", required=True, help="the base model directory the AR-LoRA sits on")
 
     ir = sub.add_parser("import-run", help="turn the reference trainer's iter_NNNNNN checkpoint into a run directory "
@@ -97,8 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     pp.add_argument("--run-dir", required=True, help="every stage's output goes under this directory")
     _add_overrides(pp, "override a pipeline field, e.g. explain.base_url=http://127.0.0.1:8000/v1")
 
+    dr = sub.add_parser("doctor", help="what this node has for a run: versions, CUDA devices, vLLM and its plugin, "
+                        "bitsandbytes, the Ray cluster of RAY_ADDRESS, free disk at the run directory")
+    dr.add_argument("--run-dir", default="runs", help="where runs will be written (its free disk is reported)")
+    dr.add_argument("--ray-timeout", type=float, default=30.0, help="seconds to wait for the cluster of RAY_ADDRESS")
+
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
-    pl.add_argument("run_dir")
+    pl.add_argument("run_dir", help="a run directory (its metrics.jsonl); the PNGs go to RUN_DIR/plots")
     return p
 
 
@@ -149,8 +176,13 @@ def _config_check(args) -> int:
     from shared.config import dump_config, load_config
 
     cfg = absolute_paths(load_config(args.config, args.set), Path.cwd())
-    prepare_job(cfg, log=lambda m: print(m, file=sys.stderr))
-    sys.stdout.write(dump_config(cfg))
+    job = prepare_job(cfg, log=lambda m: None)
+    ok = (f"ok: {args.config}: {cfg.grpo.steps} steps of {cfg.grpo.prompts_per_step} prompts x {cfg.rollout.group_size} "
+          f"samples over {len(job.train)} training rows ({len(job.eval)} held out), placement {cfg.placement.mode}")
+    if args.show:  # the ok line as a comment after it: the output still loads as the config
+        sys.stdout.write(dump_config(cfg) + f"# {ok}\n")
+    else:
+        print(ok)
     return 0
 
 
@@ -162,6 +194,7 @@ def _train(args) -> int:
 
     from orchestrator.job import absolute_paths, prepare_job
     from orchestrator.run_dir import RunDir
+    from shared.ray_cluster import check_durable
 
     if (args.resume is None) == (args.config is None):
         raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
@@ -171,6 +204,7 @@ def _train(args) -> int:
         if args.run_dir:
             raise NlaInputError("train", "--resume continues the run in its own directory: --run-dir cannot be combined with it")
         changed = tuple(check_resume_overrides(list(args.set)))
+        check_durable(args.resume, given=True)
         run = RunDir.open(args.resume)
         run.lock()
         cfg = run.config(list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else []))
@@ -187,11 +221,12 @@ def _train(args) -> int:
             check_resume(resume_from, job.cfg, job, run.path / "config.yaml", changed)
         run.save_config(cfg)
         if resume_from is None:
-            print(f"[resume] {run.path} has no checkpoint yet: starting from step 0", flush=True)
+            print(f"[resume] {run.path} has no checkpoint yet: starting from step 1", flush=True)
     else:
         overrides = list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else [])
         cfg = absolute_paths(load_config(args.config, overrides), Path.cwd())
         run_dir = args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+        check_durable(run_dir, given=args.run_dir is not None)
         RunDir.check_new(run_dir)
         job = prepare_job(cfg)
         _start_judge(job)
@@ -296,6 +331,18 @@ def _run_services(job, run, resume_from) -> int:
     return 0
 
 
+def _resume_hint(args, run_path) -> str:
+    """How to continue after an interrupt, naming the run directory this command was writing."""
+    import shlex
+
+    if args.cmd == "pipeline":
+        return "a run continues from its last checkpoint with the same `nla-grpo pipeline` command"
+    if run_path is None or not (Path(run_path) / "config.yaml").is_file():
+        return "nothing was written yet: the same command starts it again"
+    command = f"nla-grpo sft {args.sft_cmd}" if args.cmd == "sft" else "nla-grpo train"
+    return f"it continues from its last checkpoint with `{command} --resume {shlex.quote(str(run_path))}`"
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from shared.errors import NlaInputError
@@ -345,6 +392,10 @@ def main(argv=None) -> int:
             from orchestrator.pipeline import run_pipeline
 
             return run_pipeline(args.pipeline, args.run_dir, args.set)
+        if args.cmd == "doctor":
+            from orchestrator.doctor import doctor
+
+            return doctor(args.run_dir, args.ray_timeout)
         if args.cmd == "plot":
             from orchestrator.plot import write_plots
 
@@ -357,11 +408,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as exc:
         from orchestrator.driver import interrupted_by
 
+        from orchestrator.run_dir import RunDir
+
         where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({interrupted_by(exc)})"
-        again = {"sft": f"nla-grpo sft {getattr(args, 'sft_cmd', 'av')} --resume RUN_DIR",
-                 "pipeline": "the same `nla-grpo pipeline` command"}.get(args.cmd, "nla-grpo train --resume RUN_DIR")
-        print(f"nla-grpo: error: {where}; a run continues from its last checkpoint with {again if args.cmd == 'pipeline' else f'`{again}`'}",
-              file=sys.stderr)
+        print(f"nla-grpo: error: {where}; {_resume_hint(args, RunDir.current)}", file=sys.stderr)
         return 143 if "SIGTERM" in where else 130
     except Exception as exc:
         import os

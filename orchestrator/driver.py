@@ -66,8 +66,8 @@ def startup_error(exc: BaseException) -> BaseException:
 
 
 def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseException:
-    """Any failure of a step (or of the start before it) as one line: the step, the phase, which service
-    for a dead actor, and the innermost cause's own text."""
+    """Any failure of a step (or of the start before it) as one line: the step (``step``, counted from 1 as
+    everywhere a user sees it), the phase, which service for a dead actor, and the innermost cause's own text."""
     import ray.exceptions
 
     from shared.errors import actor_death, one_line
@@ -83,6 +83,19 @@ def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseExce
         who = services.name_of(getattr(exc, "actor_id", None)) if hasattr(services, "name_of") else None
         return StepError(f"{where}: a service actor died{f' ({who})' if who else ''}: {actor_death(exc)}")
     return StepError(f"{where}: {one_line(exc)}")
+
+
+def clock(seconds: float) -> str:
+    """``seconds`` as H:MM:SS."""
+    s = int(round(max(seconds, 0.0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def progress(elapsed: float, done: int, left: int) -> str:
+    """The step line's tail: time since this process started stepping, seconds per step so far, and the
+    time the ``left`` steps would take at that pace."""
+    per = elapsed / max(done, 1)
+    return f"{clock(elapsed)} elapsed, {per:.2f} s/step, eta {clock(per * left)}"
 
 
 def _requests(job: Job, rows, prompt_index, idx) -> list[PromptRequest]:
@@ -129,10 +142,10 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> tuple[dict, li
     records = []
     for j, i in enumerate(idx):
         s = samples[j * g]
-        records.append({"step": step, "row_id": int(job.eval.row_ids[i]), "doc_id": job.eval.doc_ids[i],
+        records.append({"step": step + 1, "row_id": int(job.eval.row_ids[i]), "doc_id": job.eval.doc_ids[i],
                         "reward": rewards[j * g], "mse": mses[j * g], "explanation": expl[j * g], "text": s.text})
     run.append_samples(records)
-    log(f"  [eval@{step}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%}")
+    log(f"  [eval@{step + 1}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%}")
     for r in records[: cfg.logging.samples_printed]:
         log(f"    row {r['row_id']} r={r['reward']:+.3f}: {str(r['explanation'])[:120]!r}")
     return out, records
@@ -155,11 +168,11 @@ def _judged_evals(services, job: Job, step: int, run: RunDir, log) -> tuple[dict
         firsts = [samples[j * g] for j in range(len(requests))]
         return [explanation_for(s.text, s.finish_reason, s.marker_echo, cfg.rollout.cap_is_failure) for s in firsts]
 
-    metrics, records = run_evals(job.evals, job.judge, explanations_for, step)
+    metrics, records = run_evals(job.evals, job.judge, explanations_for, step + 1)
     run.append_samples(records)
     shown = " | ".join(f"{k.removeprefix('eval/')} {v:.3g}" for k, v in metrics.items()
                        if k.endswith(("hallucinations_mean", "clean_rate", "captures_quirk_rate", "judge_failures")))
-    log(f"  [evals@{step}] {shown}")
+    log(f"  [evals@{step + 1}] {shown}")
     return metrics, records
 
 
@@ -214,7 +227,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             services.learner.load(str(resume_from / POLICY_DIR))
             order = order_from_state(state.order)
             start = state.step
-            log(f"[resume] from {resume_from} at step {start}")
+            log(f"[resume] from {resume_from}: {start} steps done, continuing with step {start + 1}")
         feed = RolloutFeed(services.rollouts, lambda idx: _requests(job, job.train, job.prompt_index_train, idx), order, P, cfg.seed)
         if resume_from is not None:
             feed.restore(resume_from)  # the rollout that was in flight at the checkpoint, if any
@@ -222,7 +235,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         phase = "push"
         version = push()
     except BaseException as exc:
-        raise _step_error(exc, start, phase, services) from None
+        raise _step_error(exc, start + 1, phase, services) from None
     asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)"
         + (f"; engines and learner up {time.time() - asked:.1f} s after the services were asked for" if asked else ""))
@@ -267,7 +280,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             upd = services.learner.update(samples, adv.tolist(), vectors)
             t_update = time.time() - t
             if upd.get("skipped"):
-                log(f"step {step}: optimiser step skipped (non-finite loss or gradient norm, or no usable sample)")
+                log(f"step {step + 1}: optimiser step skipped (non-finite loss or gradient norm, or no usable sample)")
 
             # ---- critic co-training (after the rewards it produced were computed) ----
             phase = "critic"
@@ -293,7 +306,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- log ----
             row = {
-                "step": step,
+                "step": step + 1,  # steps are counted from 1 wherever a user sees them: step N's checkpoint is step_N
                 **sample_metrics(rewards, mses, adv, [s.text for s in samples], job.fve_baseline, job.fve_baseline_meannorm),
                 "length_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
                 "marker_echo_rate": sum(bool(s.marker_echo) for s in samples) / len(samples),
@@ -336,14 +349,14 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                 if judged_records:
                     tables.update(judged_tables(judged_records))
                     tables.update(pareto_chart(run.read_metrics()))
-                wandb_run.log({**row, **tables}, step=step)
-            if step % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
-                log(f"step {step:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "
+                wandb_run.log({**row, **tables}, step=step + 1)
+            if step == start or (step + 1) % cfg.logging.every == 0 or step + 1 == cfg.grpo.steps:
+                log(f"step {step + 1:5d}/{cfg.grpo.steps} | r {row['reward_mean']:+.3f} | fve {row['fve']:+.3f} | "
                     f"ext {row['extraction_rate']:.0%} | kl {row.get('kl_mean', float('nan')):.4f} | "
                     f"clip {row.get('clip_frac', float('nan')):.1%} | mm {row.get('logprob_mismatch_k3', float('nan')):.1e} | "
                     f"v{version} | {row['wall_s']:.2f}s (roll {t_rollout:.2f} score {t_score:.2f} upd {t_update:.2f} "
-                    f"crit {t_critic:.2f} push {t_push:.2f})")
+                    f"crit {t_critic:.2f} push {t_push:.2f}) | {progress(row['elapsed_s'], step + 1 - start, cfg.grpo.steps - step - 1)}")
             last = row
     except BaseException as exc:
-        raise _step_error(exc, step, phase, services) from None
+        raise _step_error(exc, step + 1, phase, services) from None
     return last

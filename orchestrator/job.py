@@ -158,6 +158,8 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     model_dir = Path(cfg.model.path)
     if not model_dir.is_dir():
         raise NlaInputError(model_dir, "model directory not found (config model.path)")
+    if not Path(cfg.data.parquet).is_file():  # before its sidecar: a misspelt path is a missing parquet
+        raise NlaInputError(cfg.data.parquet, "parquet not found (config data.parquet)")
     spec = load_spec(cfg.data.sidecar or sidecar_path(cfg.data.parquet))
     if cfg.injection.mode == "embed":
         spec.require_injection_scale(cfg.injection.scale)

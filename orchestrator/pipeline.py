@@ -86,12 +86,12 @@ class PipelineConfig(_Section):
 def load_pipeline(path: str | Path, overrides: list[str]) -> tuple[PipelineConfig, Path]:
     from pydantic import ValidationError
 
-    from shared.config import _describe_error, apply_overrides, read_yaml
+    from shared.config import _describe_error, apply_overrides, read_yaml_file
 
     p = Path(path)
     if not p.is_file():
         raise NlaInputError(p, "pipeline file not found")
-    raw = read_yaml(p.read_text(encoding="utf-8")) or {}
+    raw = read_yaml_file(p) or {}
     if not isinstance(raw, dict):
         raise NlaInputError(p, "expected a mapping at the top level")
     raw = apply_overrides(raw, overrides)
@@ -131,6 +131,9 @@ def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) ->
         if not getattr(cfg.explain, field):
             raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
                                             f"(--set explain.{field}=...)")
+    from shared.ray_cluster import check_durable
+
+    check_durable(run_dir, given=True)
     out = Path(run_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:

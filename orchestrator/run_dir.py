@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 from orchestrator.checkpoint import checkpoint_problem, is_checkpoint
-from shared.config import RunConfig, build_config, dump_config, read_yaml, upgrade_saved_config
+from shared.config import RunConfig, build_config, dump_config, read_yaml_file, upgrade_saved_config
 from shared.errors import NlaInputError
 from shared.fileio import jsonable, write_text
 
@@ -28,6 +28,7 @@ def _json_safe(obj):
 
 class RunDir:
     required_parts: tuple | None = None  # what a loadable checkpoint of this kind of run holds; None: an RL run's
+    current: Path | None = None  # the run this process created or opened last: the CLI's resume hints name it
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -57,6 +58,7 @@ class RunDir:
             write_text(run.path / "config.yaml", dump_config(cfg))
         except OSError as exc:
             raise NlaInputError(run.path, f"cannot create the run directory: {exc.strerror or exc}") from None
+        RunDir.current = run.path
         return run
 
     @classmethod
@@ -64,6 +66,7 @@ class RunDir:
         run = cls(path)
         if not (run.path / "config.yaml").is_file():
             raise NlaInputError(run.path, "not a run directory (no config.yaml)")
+        RunDir.current = run.path
         return run
 
     def lock(self) -> None:
@@ -85,7 +88,7 @@ class RunDir:
 
     def config(self, overrides: list[str] = ()) -> RunConfig:
         path = self.path / "config.yaml"
-        raw = read_yaml(path.read_text(encoding="utf-8")) or {}
+        raw = read_yaml_file(path) or {}
         # a run saved by an older version resumes as it ran (shared.config.upgrade_saved_config)
         return build_config(upgrade_saved_config(raw) if isinstance(raw, dict) else raw, str(path), overrides)
 
@@ -114,14 +117,15 @@ class RunDir:
         return out
 
     def truncate_logs(self, step: int) -> None:
-        """Drop log lines of steps >= ``step`` (they are redone after a resume)."""
+        """Keep the log lines of steps 1..``step`` (the checkpoint resumed from holds step ``step``'s state);
+        later ones are redone after a resume."""
         for path in (self.metrics, self.samples):
             if not path.is_file():
                 continue
             keep = []
             for line in path.read_text().splitlines():
                 try:
-                    if json.loads(line).get("step", 0) < step:
+                    if json.loads(line).get("step", 0) <= step:
                         keep.append(line)
                 except json.JSONDecodeError:
                     break

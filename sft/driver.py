@@ -291,10 +291,10 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
     # ---- resume or start ----------------------------------------------------------------------------
     if resume_from is not None:
         group._each("load", str(resume_from / "model"))
-        run.truncate_logs(start + 1)
+        run.truncate_logs(start)
         log(f"[resume] {name} from {resume_from.name} (step {start} of {total})")
     else:
-        run.truncate_logs(0)  # a resumed directory with no checkpoint yet: from the start
+        run.truncate_logs(-1)  # a resumed directory with no checkpoint yet: from the start (its step 0 eval too)
         first = {"step": 0, **evaluate()}
         run.append_metrics(first)
         log(f"[{stage}] step 0: " + ", ".join(f"{k} {v:.4f}" for k, v in first.items() if k in ("eval/nll", "eval/fve")))
@@ -349,9 +349,12 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
     if (resume is None) == (config is None):
         raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
     # ---- the run directory and its config ---------------------------------------------------------
+    from shared.ray_cluster import check_durable
+
     if resume is not None:
         if run_dir:
             raise NlaInputError(f"sft {stage}", "--resume continues the stage in its own directory: no --run-dir with it")
+        check_durable(resume, given=True)
         run = SftRunDir(RunDir.open(resume).path, stage)
         run.lock()
         check_stage(run)
@@ -361,7 +364,9 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
             log(f"[resume] {run.path} has no checkpoint yet: starting from step 0")
     else:
         cfg = absolute_paths(load_config(config, sets), Path.cwd())
+        given = run_dir is not None
         run_dir = run_dir or f"runs/{Path(config).stem}-sft-{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+        check_durable(run_dir, given)
         RunDir.check_new(run_dir)
         resume_from = None
     # ---- the data and the plan --------------------------------------------------------------------

@@ -750,16 +750,45 @@ def _describe_error(err: dict) -> str:
         return f"{loc}.kind: expected one of {', '.join(WEIGHT_SYNC_KINDS)}, found {err['ctx']['tag']!r}"
     if kind == "union_tag_not_found":
         return f"{loc}.kind: missing (expected one of {', '.join(WEIGHT_SYNC_KINDS)})"
-    if variant and kind == "extra_forbidden":
-        return f"{loc}: unknown key{variant}"
     if kind == "extra_forbidden":
-        return f"{loc}: unknown key"
+        return f"{loc}: unknown key{variant}{_did_you_mean(parts)}"
     if kind == "value_error":
         msg = err["msg"].removeprefix("Value error, ")
         if not loc:  # a rule across fields: the message names them
             return msg
         return f"{loc}.{msg}" if msg.startswith("temperature") else f"{loc}: {msg}"
     return f"{loc}: {err['msg'].lower()}, found {type(found).__name__} {found!r}"
+
+
+def _section_keys(parts: list) -> set[str]:
+    """The keys the config accepts in the section at ``parts`` (every variant's, for a variant section)."""
+    from typing import get_args
+
+    models = [RunConfig]
+    for part in parts:
+        nxt = []
+        for m in models:
+            field = m.model_fields.get(str(part))
+            if field is None:
+                continue
+            stack = [field.annotation]
+            while stack:  # Optional[...], Union[...], Annotated[...]: every model class inside
+                a = stack.pop()
+                if isinstance(a, type) and issubclass(a, BaseModel):
+                    nxt.append(a)
+                else:
+                    stack.extend(get_args(a))
+        models = nxt
+    return {k for m in models for k in m.model_fields}
+
+
+def _did_you_mean(parts: list) -> str:
+    """`` (did you mean a.b?)`` for an unknown key one typo away from a known one, else nothing."""
+    import difflib
+
+    *section, key = [str(p) for p in parts]
+    close = difflib.get_close_matches(key, sorted(_section_keys(section)), n=1, cutoff=0.6)
+    return f" (did you mean {'.'.join(section + close)}?)" if close else ""
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -815,22 +844,66 @@ def build_config(raw: dict, source: str = "config", overrides: list[str] = ()) -
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as exc:  # every field's problem, a line each (rules across fields once the fields are valid)
-        raise NlaInputError(source, "\n".join(_describe_error(err) for err in exc.errors())) from None
+        # a field an override set is the override's problem, not the file's
+        mine = [tuple(parse_override(item)[0]) for item in overrides]
+        def by_set(loc) -> bool:
+            loc = tuple(str(p) for p in loc)
+            if loc[:1] == ("weight_sync",) and loc[1:2] and loc[1] in WEIGHT_SYNC_KINDS:
+                loc = loc[:1] + loc[2:]  # pydantic names the variant inside the path
+            return bool(loc) and any(loc[:len(k)] == k[:len(loc)] for k in mine)
+
+        lines = [(by_set(err["loc"]), _describe_error(err)) for err in exc.errors()]
+        if all(mark for mark, _ in lines):
+            raise NlaInputError("--set", "\n".join(line for _, line in lines)) from None
+        raise NlaInputError(source, "\n".join(f"--set {line}" if mark else line for mark, line in lines)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read and validate a YAML run config."""
+def read_yaml_file(path: str | Path):
+    """A YAML file's content; a file that is missing, unreadable or not YAML (a syntax error, a tag such as
+    ``!!python/object``, which is never executed) is one line naming the file and the line."""
     p = Path(path)
     if not p.is_file():
         raise NlaInputError(p, "config file not found")
     try:
-        raw = read_yaml(p.read_text(encoding="utf-8"))
+        return read_yaml(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise NlaInputError(p, "not valid YAML (not UTF-8 text)") from None
+    except OSError as exc:
+        raise NlaInputError(p, f"cannot read it: {exc.strerror or exc}") from None
     except yaml.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        raise NlaInputError(p, f"not valid YAML{'' if line is None else f' (line {line + 1})'}") from None
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or ""
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        detail = ": ".join(x for x in (where, problem) if x)
+        raise NlaInputError(p, f"not valid YAML{f' ({detail})' if detail else ''}") from None
+
+
+PATH_FIELDS = ("model.path", "data.parquet", "data.sidecar", "critic.checkpoint", "learner.adapter_init",
+               "learner.reference_adapter", "sft.av.data", "sft.ar.data")
+"""The config's file and directory paths. A relative one in a config file is relative to that file's directory;
+one given with ``--set`` is relative to the working directory (as any path typed in a shell)."""
+
+
+def _relative_to(raw: dict, base: Path) -> dict:
+    """``raw`` with its relative ``PATH_FIELDS`` made absolute against ``base``."""
+    raw = _deep_copy(raw)
+    for dotted in PATH_FIELDS:
+        *sections, key = dotted.split(".")
+        node = raw
+        for s in sections:
+            node = node.get(s) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key] and not Path(node[key]).is_absolute():
+            node[key] = str((base / node[key]).resolve())
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read and validate a YAML run config; its relative paths are relative to its own directory."""
+    p = Path(path)
+    raw = read_yaml_file(p)
     if raw is None:  # an empty file is a mistake, not "every default" (a 100-step r=128 job)
         raise NlaInputError(p, "empty config file: expected a mapping of sections (model, data, rollout, ...; see deploy/)")
-    return build_config(raw, str(p), overrides)
+    return build_config(_relative_to(raw, p.resolve().parent) if isinstance(raw, dict) else raw, str(p), overrides)
 
 
 def dump_config(cfg: RunConfig) -> str:

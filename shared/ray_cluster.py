@@ -41,3 +41,36 @@ def _loopback_only() -> None:
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo would pick the hostname's interface
+
+
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"  # what Ray's job supervisor hands the entrypoint of a submitted job
+
+
+def submitted_copy() -> Path | None:
+    """Under ``ray job submit --working-dir``: the directory Ray unpacked the upload into (the job's working
+    directory, under Ray's session directory, deleted with it); None when not run so."""
+    import json
+
+    raw = os.environ.get(JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return None
+    return Path.cwd().resolve() if runtime_env.get("working_dir") else None
+
+
+def check_durable(run_dir, given: bool) -> None:
+    """Refuse a run directory that would vanish with a submitted job (inside Ray's copy of the working
+    directory), in one line, before anything is written; ``given``: it came from the command line."""
+    from shared.errors import NlaInputError
+
+    copy = submitted_copy()
+    if copy is None:
+        return
+    where = Path(run_dir).resolve()
+    if not given or where == copy or copy in where.parents:
+        raise NlaInputError(run_dir, f"resolves to {where}, inside Ray's temporary copy of the working directory, "
+                                     "deleted with the job: under `ray job submit` pass --run-dir on storage that "
+                                     "outlives it (an absolute path every node sees, e.g. /shared/runs/NAME)")

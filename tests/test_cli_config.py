@@ -8,11 +8,15 @@ def _paths(tiny_dir):
     return ["--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}"]
 
 
-def test_a_good_config_prints_itself_resolved(tiny_dir):
+def test_a_good_config_is_one_ok_line_and_show_prints_it_resolved(tiny_dir):
     from shared.config import build_config, load_config
 
     res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *_paths(tiny_dir), "--set", "grpo.steps=7")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout.splitlines() == [res.stdout.strip()] and res.stdout.startswith(f"ok: {ROOT / 'deploy/tiny.yaml'}: 7 steps of ")
+    res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *_paths(tiny_dir), "--set", "grpo.steps=7", "--show")
     assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[-1].startswith("# ok: ")
     resolved = build_config(yaml.safe_load(res.stdout), "stdout")
     assert resolved.grpo.steps == 7 and resolved.model.path == str(tiny_dir / "model")
     want = load_config(ROOT / "deploy/tiny.yaml", ["grpo.steps=7"])

@@ -150,8 +150,8 @@ def _failed_run(ray, tiny_dir, tmp_path, steps, **faults):
 
 def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_path):
     msg, run = _failed_run(ray_local, tiny_dir, tmp_path, 5, die_at_call=2)
-    assert msg.startswith("step 2 (rollout): a service actor died (rollout engine 0 of 1): ") and "\n" not in msg
-    assert [r["step"] for r in run.read_metrics()] == [0, 1]  # the steps before the crash were logged
+    assert msg.startswith("step 3 (rollout): a service actor died (rollout engine 0 of 1): ") and "\n" not in msg
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]  # the steps before the crash were logged
 
 
 def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_path):
@@ -166,7 +166,7 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert [r["adapter_version"] for r in rows] == [2, 2, 3, 4]
     assert ray_local.get(services.critic.leader.trained_steps.remote()) == 3
-    assert any(l.startswith("step 1: optimiser step skipped") for l in lines)
+    assert any(l.startswith("step 2: optimiser step skipped") for l in lines)
     assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
 
 
@@ -199,7 +199,7 @@ def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_pa
 
 def test_an_error_inside_an_actor_is_its_cause_in_one_line(ray_local, tiny_dir, tmp_path):
     msg, _ = _failed_run(ray_local, tiny_dir, tmp_path, 4, fail_at=1)
-    assert msg == "step 1 (update): learner rank 0 of 1: OSError: [Errno 28] No space left on device", msg
+    assert msg == "step 2 (update): learner rank 0 of 1: OSError: [Errno 28] No space left on device", msg
 
 
 def test_input_errors_and_causes_cross_ray(ray_local):

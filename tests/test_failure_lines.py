@@ -34,6 +34,7 @@ def test_a_signal_stops_the_run_with_one_line_and_it_resumes(tiny_dir, tmp_path,
     assert proc.returncode == code, err[-3000:]
     lines = [l for l in err.splitlines() if l.startswith("nla-grpo: error")]
     assert len(lines) == 1 and f"interrupted ({signal.Signals(sig).name})" in lines[0], err[-3000:]
+    assert lines[0].endswith(f"with `nla-grpo train --resume {run}`"), lines[0]  # the real run path, ready to paste
     assert "Traceback" not in err and "Stack trace" not in err and "*** SIG" not in err, err[-3000:]
     names = set(listening.values())
     assert {"gcs_server", "raylet"} <= names and any("RolloutActor" in n for n in names), listening

@@ -297,9 +297,9 @@ def test_an_imported_run_resumes_in_the_reference_order(tiny_dir, reference_iter
     assert "[import] not carried over exactly: critic: the reference run co-trained it" in res.stdout
     res = run_cli("train", "--resume", run, "--steps", str(STEP + 1), timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    assert f"[resume] from {run / 'checkpoints' / 'step_000004'} at step {STEP}" in res.stdout
+    assert f"[resume] from {run / 'checkpoints' / 'step_000004'}: {STEP} steps done, continuing with step {STEP + 1}" in res.stdout
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [STEP] and rows[0]["adapter_version"] == STEP + 2
+    assert [r["step"] for r in rows] == [STEP + 1] and rows[0]["adapter_version"] == STEP + 2
     state = json.loads((run / "checkpoints" / f"step_{STEP + 1:06d}" / "state.json").read_text())
     rng = np.random.default_rng(SEED)
     rng.bit_generator.state = reference_iter["rng_state"]

@@ -55,7 +55,7 @@ def test_demo_learns_with_one_and_with_two_ranks(tiny_dir, tmp_path):
 
 def _assert_the_demo_learned(run, stdout):
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == list(range(150))
+    assert [r["step"] for r in rows] == list(range(1, 151))  # counted from 1, as step_000150 is
     first, last = rows[:25], rows[-25:]
     r0, r1 = np.mean([r["reward_mean"] for r in first]), np.mean([r["reward_mean"] for r in last])
     f0, f1 = np.mean([r["fve"] for r in first]), np.mean([r["fve"] for r in last])
@@ -71,9 +71,9 @@ def _assert_the_demo_learned(run, stdout):
     assert keys <= set(rows[0]), keys - set(rows[0])
     assert "eval/fve" in rows[74] and "eval/reward_mean" in rows[149]
     samples = [json.loads(l) for l in (run / "samples.jsonl").read_text().splitlines()]
-    assert {s["step"] for s in samples} == {74, 149} and all("explanation" in s for s in samples)
+    assert {s["step"] for s in samples} == {75, 150} and all("explanation" in s for s in samples)
     assert (run / "plots" / "curves.png").stat().st_size > 10_000
-    assert (run / "config.yaml").is_file() and re.search(r"step +149/150 \| r ", stdout)
+    assert (run / "config.yaml").is_file() and re.search(r"step +150/150 \| r .* elapsed, [0-9.]+ s/step, eta 0:00:00\n", stdout)
 
 
 @pytest.mark.timeout(600)
@@ -84,7 +84,7 @@ def test_karvonen_job_on_vllm(tiny_dir, tmp_path):
     _train(tiny_dir, run, "--steps", "6", "--set", "injection.mode=karvonen", "--set", "injection.karvonen_layer=0",
            "--set", "logging.eval_every=0", "--set", "checkpointing.every=0")
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == list(range(6)) and rows[-1]["adapter_version"] == 7
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["adapter_version"] == 7
     assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
     assert "mode: karvonen" in (run / "config.yaml").read_text()
 
@@ -98,7 +98,7 @@ def test_merged_adapter_with_truncated_importance_sampling_job(tiny_dir, tmp_pat
     _train(tiny_dir, run, "--steps", "6", "--set", "rollout.lora=merged", "--set", "grpo.tis_cap=2",
            "--set", "logging.eval_every=0", "--set", "checkpointing.every=0")
     rows = _metrics(run)
-    assert [r["step"] for r in rows] == list(range(6)) and rows[-1]["adapter_version"] == 7
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[-1]["adapter_version"] == 7
     assert max(r["logprob_mismatch_mean_abs"] for r in rows) < 1e-4
     assert all(abs(r["tis/weight_mean"] - 1) < 1e-3 and r["tis/capped_frac"] == 0 for r in rows)
 
@@ -189,7 +189,8 @@ def test_bad_config_or_data_stops_before_any_actor(tiny_dir, tmp_path):
 
 @pytest.mark.timeout(900)
 def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
-    """`ray job submit` against a local `ray start --head` runs the tiny job to SUCCEEDED."""
+    """`ray job submit` against a local `ray start --head` runs the tiny job to SUCCEEDED; without --run-dir
+    the run would land in Ray's copy of the repo, deleted with the job: refused in one line."""
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     # Ray 2.60 clusters authenticate with a token: give the head and the submitting client the same one
     ray_root, gcs_port, dashboard = private_ray_dir(), free_port(), free_port()
@@ -210,6 +211,15 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
             capture_output=True, text=True, env=env, timeout=800)
         assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-2000:])
         assert "succeeded" in (sub.stdout + sub.stderr).lower()  # "Job ... succeeded" (status SUCCEEDED)
-        assert [r["step"] for r in _metrics(run_dir)] == [0, 1, 2]
+        assert [r["step"] for r in _metrics(run_dir)] == [1, 2, 3]
+        lost = subprocess.run(
+            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT),
+             "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
+             sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--steps", "3", *tiny_data(tiny_dir)],
+            capture_output=True, text=True, env=env, timeout=300)
+        out = lost.stdout + lost.stderr
+        assert lost.returncode != 0 and "failed" in out.lower(), out[-3000:]
+        assert "inside Ray's temporary copy of the working directory" in out and "pass --run-dir" in out, out[-3000:]
+        assert "[ray]" not in out and "Traceback" not in out, out[-3000:]
     finally:
         stop_ray_in(ray_root)  # this cluster only: `ray stop` would stop every Ray on the host

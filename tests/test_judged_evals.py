@@ -130,8 +130,8 @@ def test_the_tiny_job_with_both_evals_judged_on_loopback(tiny_dir, tmp_path, mon
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     judged = {r["step"]: {k for k in r if k.startswith(("eval/hallucination/", "eval/karvonen_confusion/"))} for r in rows}
-    assert judged[0] == judged[2] == set() and judged[1] == judged[3] and "eval/hallucination/clean_rate" in judged[1]
-    assert "eval/karvonen_confusion/captures_quirk_rate" in judged[1]
+    assert judged[1] == judged[3] == set() and judged[2] == judged[4] and "eval/hallucination/clean_rate" in judged[2]
+    assert "eval/karvonen_confusion/captures_quirk_rate" in judged[2]
     posts = [r for r in server.requests if r["path"].endswith("/chat/completions")]
     records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     judged_records = [r for r in records if r.get("eval") in ("hallucination", "karvonen_confusion")]
@@ -142,7 +142,7 @@ def test_the_tiny_job_with_both_evals_judged_on_loopback(tiny_dir, tmp_path, mon
     for f in run.rglob("*"):
         if f.is_file():
             assert KEY.encode() not in f.read_bytes(), f
-    assert KEY not in res.stdout + res.stderr and "[evals@1]" in res.stdout
+    assert KEY not in res.stdout + res.stderr and "[evals@2]" in res.stdout
     files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, list(run.rglob("*"))
     blob = files[0].read_bytes()  # wandb's record log stores keys and the config as plain protobuf strings

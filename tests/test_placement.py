@@ -98,7 +98,7 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
         job = prepare_job(cfg, log=lambda m: None)
         run = RunDir.create(tmp_path / "run", cfg)
         last = train(job, run, s, log=lambda m: None)
-        assert last["step"] == 2 and last["adapter_version"] == 4
+        assert last["step"] == 3 and last["adapter_version"] == 4
         from orchestrator.driver import _requests
         from orchestrator.rollout_feed import rollout
 
@@ -136,7 +136,7 @@ def test_data_parallel_ranks_get_a_gpu_each_and_critics_sit_beside_them(ray_gpus
             assert critic_gpus == learner_gpus  # critic rank i beside learner rank i
         job = prepare_job(cfg, log=lambda m: None)
         last = train(job, RunDir.create(tmp_path / "run", cfg), s, log=lambda m: None)
-        assert last["step"] == 2
+        assert last["step"] == 3
         # 5 prompts x 2 samples per step: every rank gets the whole batch (and runs its share of its micro-batches)
         assert ray_gpus.get([a.shard_sizes.remote() for a in s.learner.actors]) == [[10, 10, 10], [10, 10, 10]]
     finally:

@@ -29,14 +29,14 @@ def test_rewards_for():
 
 def test_run_dir_logs_and_atomic_checkpoints(tmp_path):
     run = RunDir.create(tmp_path / "run", RunConfig())
-    for s in range(5):
+    for s in range(1, 6):
         run.append_metrics({"step": s, "x": float(s), "bad": float("nan")})
     with run.metrics.open("a") as f:
-        f.write('{"step": 5, "x": ')  # a line cut by a kill
+        f.write('{"step": 6, "x": ')  # a line cut by a kill
     rows = run.read_metrics()
-    assert [r["step"] for r in rows] == list(range(5)) and rows[0]["bad"] is None
-    run.truncate_logs(3)
-    assert [r["step"] for r in run.read_metrics()] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and rows[0]["bad"] is None
+    run.truncate_logs(3)  # resuming from step_000003: steps 1-3 stay, later ones are redone
+    assert [r["step"] for r in run.read_metrics()] == [1, 2, 3]
     # an unfinished checkpoint is invisible; finished ones are kept up to keep_last
     tmp = run.checkpoint_tmp(10)
     (tmp / "state.json").write_text(json.dumps({"step": 10}))

@@ -107,7 +107,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_named(four_step_run, tmp_pat
     assert res.returncode == 0, res.stderr[-2000:]
     skipped = [l for l in res.stdout.splitlines() if l.startswith("[resume] skipping step_000004: ")]
     assert len(skipped) == 1 and f.name in skipped[0] and "damaged" in skipped[0], res.stdout[-2000:]
-    assert "[resume] from" in res.stdout and "step_000002 at step 2" in res.stdout
+    assert "[resume] from" in res.stdout and "step_000002: 2 steps done, continuing with step 3" in res.stdout
     rows = [l for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 6  # steps 2 and 3 redone from the complete checkpoint, then 4 and 5
 
@@ -154,7 +154,7 @@ def test_checkpoints_point_at_frozen_parts_instead_of_copying_them(four_step_run
         assert json.loads((ckpt / "critic.json").read_text())["source"] == "model"
     assert (run / "frozen" / "reference" / "adapter_model.safetensors").is_file()
     res = run_cli("train", "--resume", run, "--steps", "5", timeout=600)
-    assert res.returncode == 0 and "step_000004 at step 4" in res.stdout, res.stderr[-2000:]
+    assert res.returncode == 0 and "step_000004: 4 steps done, continuing with step 5" in res.stdout, res.stderr[-2000:]
     f = run / "frozen" / "reference" / "adapter_model.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
