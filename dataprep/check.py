@@ -39,12 +39,26 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
     rows = read_rows(parquet, spec.d_model, progress=progress)
     table, _ = prompt_table([rows], tok, spec, prefill, parquet, enable_thinking)
     train, ev = split_eval(rows, eval_fraction)
+    return report(parquet, spec, mdir, train, ev, len(table), out)
+
+
+def check_job_data(cfg, out=sys.stdout) -> dict:
+    """``data check --config``: the data read and checked once, as ``train`` reads it (``prepare_job``: the
+    model, sidecar, tokenizer, rows, split, prompts and every rule of the config about them), then reported."""
+    from orchestrator.job import prepare_job
+
+    job = prepare_job(cfg, log=lambda m: None)
+    return report(cfg.data.parquet, job.spec, cfg.model.path, job.train, job.eval, len(job.prompt_ids), out)
+
+
+def report(parquet, spec, model_dir, train, ev, prompts: int, out=sys.stdout) -> dict:
+    """The summary of a checked dataset, printed after its ``ok:`` line."""
     summary = {
-        "rows": len(rows), "d_model": spec.d_model, "layer_index": spec.layer_index,
-        "documents": len(set(rows.doc_ids)), "train_rows": len(train), "eval_rows": len(ev),
-        "distinct_prompts": len(table), "marker": spec.marker, "marker_id": spec.marker_id,
+        "rows": len(train) + len(ev), "d_model": spec.d_model, "layer_index": spec.layer_index,
+        "documents": len(set(train.doc_ids) | set(ev.doc_ids)), "train_rows": len(train), "eval_rows": len(ev),
+        "distinct_prompts": prompts, "marker": spec.marker, "marker_id": spec.marker_id,
         "neighbour_ids": [spec.left_id, spec.right_id], "injection_scale": spec.injection_scale_raw,
-        "mse_scale": spec.mse_scale_raw, "model": str(mdir),
+        "mse_scale": spec.mse_scale_raw, "model": str(model_dir),
     }
     print(f"ok: {parquet}", file=out)
     for k, v in summary.items():

@@ -156,16 +156,14 @@ def _data_check(args) -> int:
             raise NlaInputError("data check", "--set needs --config")
         check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
         return 0
-    from orchestrator.job import absolute_paths, prepare_job
+    from dataprep.check import check_job_data
+    from orchestrator.job import absolute_paths
     from shared.config import load_config
 
     here = [f"data.parquet={Path(args.parquet).resolve()}"]
     here += [f"data.sidecar={Path(args.sidecar).resolve()}"] if args.sidecar else []
     here += [f"model.path={Path(args.model).resolve()}"] if args.model else []
-    cfg = absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd())
-    prepare_job(cfg, log=lambda m: print(m, file=sys.stderr))
-    check_dataset(cfg.data.parquet, cfg.data.sidecar, cfg.model.path, cfg.data.eval_fraction, prefill=cfg.rollout.prefill,
-                  enable_thinking=cfg.prompts.enable_thinking)
+    check_job_data(absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd()))
     return 0
 
 
@@ -275,6 +273,15 @@ def _start_judge(job) -> None:
         print(f"[evals] judge {job.judge.backend}:{job.cfg.evals.judge.model} at {job.judge.base_url} answers", flush=True)
 
 
+def _log_plots(wandb_run, plots: Path) -> None:
+    """The run's PNG plots into its wandb run, as images under ``plots/``."""
+    import wandb
+
+    images = {f"plots/{png.stem}": wandb.Image(str(png)) for png in sorted(plots.glob("*.png"))}
+    if images:
+        wandb_run.log(images)
+
+
 def _run_services(job, run, resume_from) -> int:
     from orchestrator.driver import train
     from orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
@@ -319,13 +326,14 @@ def _run_services(job, run, resume_from) -> int:
         raise
     finally:
         stop_services(services)
-        if wandb_run is not None:
-            wandb_run.finish()
         if run.path.is_dir() and run.read_metrics():
             try:
                 print(f"[plot] {write_plots(run.path)}")
             except NlaInputError as exc:  # the run's own outcome matters more than its plot
                 print(f"[plot] not written: {exc}")
+        if wandb_run is not None:
+            _log_plots(wandb_run, run.plots)
+            wandb_run.finish()
     print(f"[done] {run.path}: step {last.get('step', '-')}, reward {last.get('reward_mean', float('nan')):+.3f}, "
           f"fve {last.get('fve', float('nan')):+.3f}")
     return 0

@@ -10,6 +10,8 @@ a token cap.
 """
 from __future__ import annotations
 
+import os
+
 import uuid
 
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
@@ -105,6 +107,8 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         # carry the vector (see vllm_compat.prefix_cache_keys_embeds), so other vectors never share
         enable_prefix_caching=bool(ro.prefix_caching and prefix_cache_keys_embeds()),
     )
+    if os.environ.get("TQDM_DISABLE") == "1":  # the quiet start (shared.ray_cluster.QUIET_ENV): vLLM's own load bar too
+        kwargs["use_tqdm_on_load"] = False
     if ro.lora == "adapter":
         # restricting LoRA to the adapter's linear modules is what makes prompt_embeds + LoRA work
         # (an embedding LoRA under prompt_embeds crashes the engine)

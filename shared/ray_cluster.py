@@ -7,22 +7,46 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
+# what the libraries print at start that a user of a run does not need (vLLM's warnings about its own
+# settings, library deprecations, progress bars of loading a checkpoint); errors still show. Each can be set in
+# the environment, and NLA_GRPO_VERBOSE=1 keeps them all.
+QUIET_ENV = {
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+    "TQDM_DISABLE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+}
+
+
+def quiet_env() -> dict:
+    """``QUIET_ENV`` less what the environment sets itself; nothing with NLA_GRPO_VERBOSE=1."""
+    if os.environ.get("NLA_GRPO_VERBOSE", "") not in ("", "0"):
+        return {}
+    return {k: v for k, v in QUIET_ENV.items() if k not in os.environ}
+
+
 def start_ray() -> None:
     """Join the cluster a ``ray job submit`` runs in, or start a private local one."""
+    import logging
+
     import ray
 
     if ray.is_initialized():
         return
+    quiet = quiet_env()
+    level = logging.ERROR if quiet else logging.INFO  # Ray's own start-up lines in this process
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+        ray.init(log_to_driver=True, logging_level=level)
         return
     _loopback_only()
     path = os.pathsep.join(p for p in (str(PROJECT_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         # "local": always a private cluster; a bare init() would join any `ray start` cluster on this host
-        address="local", include_dashboard=False, log_to_driver=True,
+        address="local", include_dashboard=False, log_to_driver=True, logging_level=level,
         runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}},
+                                 "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **quiet}},
     )
 
 

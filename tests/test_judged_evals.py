@@ -110,7 +110,7 @@ def test_eval_inputs_are_checked_before_any_actor(tiny_dir, tmp_path):
 def test_the_tiny_job_with_both_evals_judged_on_loopback(tiny_dir, tmp_path, monkeypatch):
     """Eval metrics and records on each eval step and nowhere else, the Pareto plot, the key in no file
     of the run directory and in no line of the log; a judge that is down stops the run before anything
-    starts. With wandb offline: the run's metrics, config and every eval table are recorded."""
+    starts. With wandb offline: the run's metrics, config, every eval table and its plots are recorded."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("NLA_TEST_JUDGE_KEY", KEY)
     args = ["train", ROOT / "deploy/tiny.yaml", "--steps", "4", "--set", f"model.path={tiny_dir / 'model'}",
@@ -152,6 +152,8 @@ def test_the_tiny_job_with_both_evals_judged_on_loopback(tiny_dir, tmp_path, mon
     media = run / "wandb"
     samples = list(media.glob("offline-run-*/files/media/table/eval/samples_*.table.json"))
     assert len(samples) == 2 and all(len(json.loads(t.read_text())["data"]) == 4 for t in samples)
+    for plot in ("curves", "pareto"):  # the run's plots, as images
+        assert len(list(media.glob(f"offline-run-*/files/media/images/plots/{plot}_*.png"))) == 1, plot
     for name, n in (("hallucination", 3), ("karvonen_confusion", 4)):
         tables = list(media.glob(f"offline-run-*/files/media/table/eval/{name}/records_*.table.json"))
         assert len(tables) == 2 and all(len(json.loads(t.read_text())["data"]) == n for t in tables), name

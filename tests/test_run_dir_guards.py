@@ -23,6 +23,10 @@ def four_step_run(tiny_dir, tmp_path_factory):
                   "--set", f"data.parquet={tiny_dir / 'rl.parquet'}", "--set", "checkpointing.every=2",
                   "--set", "critic.train=false", "--set", "logging.eval_every=0", timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
+    # a quiet start: what the user needs (data, run, services, the push), not the libraries' warnings and bars
+    before = (res.stdout + res.stderr).split("step     1/4")[0].splitlines()
+    noise = [l for l in before if "WARNING" in l or "Warning" in l or "it/s]" in l]
+    assert noise == [] and "[push] adapter v1" in res.stdout, noise
     return run
 
 
