@@ -64,7 +64,12 @@ def test_retries_timeouts_and_concurrency(monkeypatch):
         assert flaky.reply == {"ok": True} and rate.reply == {"ok": True}  # one 503 / 429, then the answer
         assert slow.reply is None and slow.error == "timeout after 0.3 s (3 attempts)"
         judge.close()
-        time.sleep(1.2)  # the timed-out requests' handlers finish on the server
+        deadline = time.time() + 30
+        # the three timed-out attempts reach the server and their handlers finish (1 s each, later on a loaded
+        # machine: a fixed sleep let one still count below)
+        while (server.seen.get("SLOW", 0) < 3 or server.in_flight) and time.time() < deadline:
+            time.sleep(0.05)
+        assert server.seen.get("SLOW") == 3 and server.in_flight == 0, (server.seen, server.in_flight)
         server.slow_s, server.max_in_flight = 0.3, 0
         judge = _judge(server.url + "/v1", timeout_s=5.0, concurrency=2)
         judge.ask_many([("s", f"SLOW {i}") for i in range(6)])
