@@ -4,9 +4,11 @@ No rollout engine is needed (no vLLM): the samples are synthetic, ``--prompts`` 
 responses of ``--new-tokens`` tokens (``--lengths uniform``: 20 to ``--new-tokens``, as real
 explanations vary), on the same model, tokenizer and prompts as ``step_benchmark.py``. Each variant
 builds its own ``Learner`` on the same weights and times ``--steps`` updates (the first warms up).
-FLOPs are counted as 6·N·tokens with N the base model's parameters and tokens the prompt + response
-of every sample (what the update is asked to do, whatever it skips); ``processed_tflops`` counts
-what the packed rows actually ran.
+FLOPs are counted two ways (``learner.update_metrics``): ``tflops_effective``, 6·N per logical token
+(every sample's prompt + response, what the update is asked to do, whatever it skips), and
+``tflops_executed``, 6·N per token the rows actually ran (a group's prompt once, no padding), N the
+base model's parameters. ``mfu`` divides the executed figure by a bf16 GEMM peak measured on the
+same GPU in the same run (the higher of a reading before and one after the variants).
 
     python benchmarks/learner_benchmark.py --prompts 64 --group 8 --out benchmarks/results/h200-learner-64x8.json
     python benchmarks/learner_benchmark.py --profile benchmarks/results/h200-learner-profile.txt
@@ -57,6 +59,7 @@ def main() -> int:
     ap.add_argument("--variants", default="padded,packed,packed_unshared")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--profile", help="write a torch-profiler table of one packed update here")
+    ap.add_argument("--gemm-n", type=int, default=8192, help="size of the square bf16 matmul that measures the GEMM peak")
     args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-learner.json")
     dev = step_benchmark.DEVICE
     import torch
@@ -88,6 +91,9 @@ def main() -> int:
     res: dict = {"config": vars(args), "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",
                  "torch": torch.__version__, "samples": len(samples), "tokens": tokens, "variants": {}}
 
+    res["gemm_before"] = step_benchmark.gemm_peak(args.gemm_n)
+    print(f"[gemm] {args.gemm_n}^3: {res['gemm_before']['tflops']:.0f} TFLOP/s", flush=True)
+
     def dump():
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
@@ -103,21 +109,23 @@ def main() -> int:
         if unshared:  # a distinct activation per sample: no two samples share a row
             vecs = vectors + 1e-3 * torch.arange(len(samples)).unsqueeze(1)
         n_base = learner.base_params
-        times, peaks, metrics = [], [], None
+        times, peaks, executed, metrics = [], [], [], None
         for k in range(args.steps):
             step_benchmark.reset_peak()
             metrics, t = step_benchmark.timed(lambda: learner.update(samples, adv, vecs))
             times.append(t)
             peaks.append(step_benchmark.peak_gb())
-            print(f"[{name} {k}] {t:.2f}s peak {peaks[-1]:.1f} GB tflops {metrics['learner/tflops']:.0f} "
-                  f"mb tokens {metrics['learner/micro_batch_tokens']}", flush=True)
+            executed.append(metrics["learner/tflops_executed"])
+            print(f"[{name} {k}] {t:.2f}s peak {peaks[-1]:.1f} GB executed {metrics['learner/tflops_executed']:.0f} "
+                  f"TFLOP/s effective {metrics['learner/tflops_effective']:.0f} mb tokens "
+                  f"{metrics['learner/micro_batch_tokens']}", flush=True)
         warm = times[1:] or times
         med = statistics.median(warm)
-        processed = _processed_tokens(learner, samples, vecs)
         res["variants"][name] = {
             "learner": spec, "unshared": unshared, "update_s": med, "times": times, "peak_gb": max(peaks),
             "learner_tflops": 6 * n_base * tokens / med / 1e12, "tokens_per_s": tokens / med,
-            "processed_tokens": processed, "processed_tflops": 6 * n_base * processed / med / 1e12,
+            "executed_tokens": metrics["learner/executed_tokens"],
+            "tflops_executed": statistics.median(executed[1:] or executed),
             "micro_batch_tokens": learner.micro_batch_tokens, "base_params": n_base,
             "last_metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float))},
         }
@@ -135,22 +143,18 @@ def main() -> int:
         learner = None  # free the GPU before the next variant
         if dev == "cuda":
             torch.cuda.empty_cache()
+    res["gemm_after"] = step_benchmark.gemm_peak(args.gemm_n)
+    res["gemm_peak_tflops"] = max(res["gemm_before"]["tflops"], res["gemm_after"]["tflops"])
+    for v in res["variants"].values():
+        v["mfu"] = v["tflops_executed"] / res["gemm_peak_tflops"]
+    print(f"[gemm] peak {res['gemm_peak_tflops']:.0f} TFLOP/s (after: {res['gemm_after']['tflops']:.0f})")
     base = res["variants"].get("padded")
     for name, v in res["variants"].items():
         ratio = base["update_s"] / v["update_s"] if base else float("nan")
-        print(f"| {name} | {v['update_s']:.2f} s | {v['learner_tflops']:.0f} TFLOP/s | {v['peak_gb']:.1f} GB | {ratio:.2f}x |")
+        print(f"| {name} | {v['update_s']:.2f} s | {v['tflops_executed']:.0f} TFLOP/s executed, MFU {v['mfu']:.1%} | "
+              f"{v['learner_tflops']:.0f} effective | {v['peak_gb']:.1f} GB | {ratio:.2f}x |")
     dump()
     return 0
-
-
-def _processed_tokens(learner, samples, vectors) -> int:
-    """Tokens the packed rows hold (without padding); for the padded path, every row's real tokens."""
-    from learner.micro_batches import items_from as _items
-
-    items = _items(samples, vectors)
-    if not learner.policy.packed:
-        return sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
-    return sum(batch.processed for _, batch in learner._micro_batches(items))
 
 
 if __name__ == "__main__":

@@ -44,40 +44,6 @@ WORDS = ("the sea and a tree near quiet street with bread salt river stone light
          "music night small house green field cold wind warm fire book story dog cat child road").split()
 
 
-def gemm_peak(n: int, warmup: int = 3, reps: int = 20) -> dict:
-    """Median TFLOP/s of ``reps`` timed n×n×n bf16 ``torch.matmul``s on random data after ``warmup``
-    (CUDA events around each); on the CPU a float32 product, only to exercise the code."""
-    import torch
-
-    cuda = step_benchmark.DEVICE == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    gen = torch.Generator(device=step_benchmark.DEVICE).manual_seed(0)
-    a = torch.randn(n, n, device=step_benchmark.DEVICE, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=step_benchmark.DEVICE, dtype=dtype, generator=gen)
-    for _ in range(warmup):
-        torch.matmul(a, b)
-    step_benchmark.sync()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            torch.matmul(a, b)
-            times.append(time.perf_counter() - t)
-    med = statistics.median(times)
-    del a, b
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "reps": reps, "median_s": med,
-            "tflops": 2 * n ** 3 / med / 1e12, "tflops_best": 2 * n ** 3 / min(times) / 1e12}
-
-
 def response_lengths(rows: int, mean: int, lengths: str, gen) -> list[int]:
     import torch
 
@@ -253,7 +219,7 @@ def main() -> int:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(res, indent=1))
 
-    res["gemm_before"] = gemm_peak(args.gemm_n)
+    res["gemm_before"] = step_benchmark.gemm_peak(args.gemm_n)
     res["gemm_peak_tflops"] = res["gemm_before"]["tflops"]
     print(f"[gemm] {args.gemm_n}^3 {res['gemm_before']['dtype']}: {res['gemm_peak_tflops']:.0f} TFLOP/s", flush=True)
     t0 = time.perf_counter()
@@ -277,7 +243,7 @@ def main() -> int:
         run_av(args, base_cfg, job, res, dump)
     if "ar" in stages:
         run_ar(args, base_cfg, job, res, dump)
-    res["gemm_after"] = gemm_peak(args.gemm_n)
+    res["gemm_after"] = step_benchmark.gemm_peak(args.gemm_n)
     # the higher of the two readings: MFU is not flattered by a slow first reading
     peak = max(res["gemm_before"]["tflops"], res["gemm_after"]["tflops"])
     res["gemm_peak_tflops"] = peak

@@ -122,6 +122,40 @@ def sync():
         torch.cuda.synchronize()
 
 
+def gemm_peak(n: int, warmup: int = 3, reps: int = 20) -> dict:
+    """Median TFLOP/s of ``reps`` timed n×n×n bf16 ``torch.matmul``s on random data after ``warmup``
+    (CUDA events around each); on the CPU a float32 product, only to exercise the code."""
+    import torch
+
+    cuda = DEVICE == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    a = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    for _ in range(warmup):
+        torch.matmul(a, b)
+    sync()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            torch.matmul(a, b)
+            times.append(time.perf_counter() - t)
+    med = statistics.median(times)
+    del a, b
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "reps": reps, "median_s": med,
+            "tflops": 2 * n ** 3 / med / 1e12, "tflops_best": 2 * n ** 3 / min(times) / 1e12}
+
+
 def reset_peak():
     import torch
 

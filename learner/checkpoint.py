@@ -87,7 +87,7 @@ def save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> Non
     if mkdir:
         directory.mkdir()
     save_tensors(directory / ADAPTER_FILE, learner.policy.adapter_parameters(name))
-    write_json(directory / ADAPTER_CONFIG, learner._peft_config(name))
+    write_json(directory / ADAPTER_CONFIG, peft_config(learner, name))
     write_json(directory / INJECTION_RECORD, injection_record(learner.cfg))  # what the adapter expects to read
 
 
@@ -128,3 +128,47 @@ def load(learner, directory) -> None:
     learner.step, learner.version = int(state["step"]), int(state["version"])
     # the same micro-batches as the run that saved it (older checkpoints: chosen afresh)
     learner.micro_batch_tokens = state.get("micro_batch_tokens")
+
+
+# ---- what leaves the learner between checkpoints: the pushed adapter, the state's fingerprint ----
+def peft_config(learner, name: str) -> dict:
+    from shared.fileio import jsonable
+
+    return jsonable(learner.model.peft_config[name].to_dict())
+
+
+def export_adapter(learner, device: str = "cpu"):
+    """The policy adapter with PEFT's saved key names, its PEFT config and version.
+
+    Tensors are snapshots (they share no storage with the trained weights): on the CPU by default;
+    ``device="same"`` keeps them on the learner's device for an engine in this process;
+    ``device="live"`` hands out the trained weights themselves (detached), for a caller that copies
+    them at once (``shared.weight_sync`` packs them into its buffer).
+    """
+    from peft import get_peft_model_state_dict
+
+    from learner.policy import POLICY
+    from shared.fileio import cpu_copy
+    from shared.types import AdapterUpdate
+
+    state = get_peft_model_state_dict(learner.model, adapter_name=POLICY)
+    copy = {"cpu": cpu_copy, "same": lambda t: t.detach().clone().contiguous(), "live": lambda t: t.detach()}[device]
+    return AdapterUpdate(version=learner.version, tensors={k: copy(v) for k, v in state.items()},
+                         peft_config=peft_config(learner, POLICY))
+
+
+def checksum(learner) -> list[float]:
+    """A cheap fingerprint of the trained state (float64 sums over the policy adapter and the first
+    optimiser moments): data-parallel ranks that took the same steps hold the same bits."""
+    import torch
+
+    with torch.no_grad():
+        total = torch.zeros(3, dtype=torch.float64, device=learner.device)
+        for p in learner.params:
+            x = p.detach().double()
+            total[0] += x.sum()
+            total[1] += (x * x).sum()
+            moment = learner.optimizer.state.get(p, {}).get("exp_avg")
+            if moment is not None:
+                total[2] += moment.double().abs().sum()
+    return [learner.step, learner.version, *total.tolist()]

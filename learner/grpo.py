@@ -128,3 +128,21 @@ def logprob_mismatch(rollout_logp, learner_logp, mask) -> tuple[torch.Tensor, to
     a = torch.where(mask, rollout_logp.detach().float(), zero)
     b = torch.where(mask, learner_logp.detach().float(), zero)
     return _masked_mean((a - b).abs(), mask), _masked_mean(k3(b, a), mask)
+
+
+def pad_rows(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
+    """Ragged 1-D rows as one fp32 ``[len(rows), T]`` matrix, zero-padded on the right."""
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for r, x in enumerate(rows):
+        out[r, : x.numel()] = x
+    return out.to(device)
+
+
+def ragged_mismatch(rollout: list[torch.Tensor], learner: list[torch.Tensor]) -> tuple[list[float], list[float]]:
+    """``logprob_mismatch`` per sample, (mean |Δlogp|, k3), between ragged rollout and learner rows."""
+    if not rollout:  # a data-parallel rank with no sample
+        return [], []
+    T = max(x.numel() for x in rollout)
+    mask = torch.arange(T).unsqueeze(0) < torch.tensor([x.numel() for x in rollout]).unsqueeze(1)
+    a, k = logprob_mismatch(pad_rows(rollout, T, "cpu"), pad_rows(learner, T, "cpu"), mask)
+    return a.tolist(), k.tolist()

@@ -1,10 +1,11 @@
-"""The GRPO learner: fused micro-batched updates of the policy LoRA, adapter export, full-state checkpoints.
+"""The GRPO learner: fused micro-batched updates of the policy LoRA.
 
 One ``update`` = per micro-batch: policy forward (with grad), reference forward (no grad, frozen
 "reference" adapter), loss, backward, free; then one clipped optimiser step, skipped when the loss
 or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
 moments and the weights). Micro-batches are packed rows (``learner.packing``: a group's prompt once,
-its responses after it) unless ``learner.forward: padded``.
+its responses after it) unless ``learner.forward: padded``. The plan is ``learner.micro_batches``'s,,
+the throughput figures ``learner.update_metrics``'s, export and checkpoints ``learner.checkpoint``'s.
 """
 from __future__ import annotations
 
@@ -16,44 +17,17 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint
-from learner.grpo import grpo_loss, logprob_mismatch, tis_weights
+from learner.grpo import grpo_loss, logprob_mismatch, pad_rows, ragged_mismatch, tis_weights
 from learner.micro_batches import Item, MicroBatches, items_from
 from learner.policy import POLICY, REFERENCE, Policy
+from learner.update_metrics import (THROUGHPUT_KEYS, UpdateSums, base_parameter_count, executed_tokens,
+                                    update_throughput, warn_masked)
 from shared.collective import GradientSums
-
-
-
-def _base_parameter_count(model) -> int:
-    """Parameters of the frozen base (the adapters left out; a 4-bit weight counted at its full shape)."""
-    n = 0
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            continue
-        shape = getattr(getattr(p, "quant_state", None), "shape", None)
-        n += math.prod(shape) if shape is not None else p.numel()
-    return n
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _padded(rows: list[torch.Tensor], T: int, device) -> torch.Tensor:
-    out = torch.zeros(len(rows), T, dtype=torch.float32)
-    for r, x in enumerate(rows):
-        out[r, : x.numel()] = x
-    return out.to(device)
-
-
-def _mismatch(rollout: list[torch.Tensor], learner: list[torch.Tensor]) -> tuple[list[float], list[float]]:
-    """Per-sample (mean |Δlogp|, k3) between ragged rollout and learner logprob rows."""
-    if not rollout:  # a data-parallel rank with no sample
-        return [], []
-    T = max(x.numel() for x in rollout)
-    mask = torch.arange(T).unsqueeze(0) < torch.tensor([x.numel() for x in rollout]).unsqueeze(1)
-    a, k = logprob_mismatch(_padded(rollout, T, "cpu"), _padded(learner, T, "cpu"), mask)
-    return a.tolist(), k.tolist()
 
 
 class Learner:
@@ -76,7 +50,8 @@ class Learner:
         self.step = 0
         self.version = 1  # the initial adapter is version 1, so rollouts can load it before step 0
         self.micro_batches = MicroBatches(cfg, self.policy, self.dp, self.device)
-        self.base_params = _base_parameter_count(self.model)
+        self.base_params = base_parameter_count(self.model)
+        self.executed = 0  # tokens this rank's forwards ran in the current update (learner.update_metrics)
 
     # ---- micro-batches (learner.micro_batches) ------------------------------------------------
     @property
@@ -102,6 +77,7 @@ class Learner:
             for idx, batch in self._micro_batches(items, mine):
                 with self.policy.injecting(batch), self.policy.using(adapter):
                     logp, _ = self.policy.forward_logprobs(batch)
+                self.executed += executed_tokens(batch)
                 for r, i in enumerate(idx):
                     out[i] = logp[r, : len(items[i].response_ids)].cpu()
         finally:
@@ -128,8 +104,7 @@ class Learner:
         """
         g = self.cfg.grpo
         n = len(items)  # every rank holds the whole batch and runs its share of the micro-batches
-        kept, loss_sum, kl_sum, clip_sum = 0, 0.0, 0.0, 0.0
-        tis_sum, tis_capped, tis_tokens = 0.0, 0, 0
+        totals = UpdateSums()
         decide = keep is None
         keep = list(keep) if keep is not None else [True] * n
         mm_abs, mm_k3 = [0.0] * n, [0.0] * n
@@ -140,11 +115,12 @@ class Learner:
         self.model.train()
         for idx, batch in self._micro_batches(items):
             mine += idx
+            self.executed += executed_tokens(batch)
             chunk = [items[i] for i in idx]
             T = max(len(it.response_ids) for it in chunk)
             adv = torch.tensor([it.advantage for it in chunk], dtype=torch.float32, device=self.device)
-            old_lp = _padded([old[i] for i in idx], T, self.device)
-            rollout = _padded([it.rollout_logp for it in chunk], T, self.device) if decide or g.tis_cap is not None else None
+            old_lp = pad_rows([old[i] for i in idx], T, self.device)
+            rollout = pad_rows([it.rollout_logp for it in chunk], T, self.device) if decide or g.tis_cap is not None else None
             with self.policy.injecting(batch):
                 new_lp, mask = self.policy.forward_logprobs(batch)
                 with torch.no_grad(), self.policy.using(REFERENCE):
@@ -162,10 +138,7 @@ class Learner:
                     if decide:
                         old_lp = new_lp.detach()
                     weights = tis_weights(old_lp, rollout, mask, g.tis_cap)
-                    on = mask & row_keep.reshape(-1, 1)
-                    tis_sum += float(weights[on].sum())
-                    tis_capped += int((weights[on] >= g.tis_cap).sum())
-                    tis_tokens += int(on.sum())
+                    totals.add_weights(weights, mask & row_keep.reshape(-1, 1), g.tis_cap)
                 # a masked row still sits in the graph: a non-finite old logprob there would turn its
                 # zero upstream gradient into NaN (0 * NaN) for the whole step
                 old_lp = torch.where(torch.isfinite(old_lp), old_lp, new_lp.detach())
@@ -175,33 +148,18 @@ class Learner:
                 if m["samples"]:
                     loss.backward()
                     sums.add()
-                    loss_sum, kl_sum, clip_sum = loss_sum + m["loss_sum"], kl_sum + m["kl_sum"], clip_sum + m["clip_sum"]
-                    kept += m["samples"]
+                    totals.add_loss(m)
             del new_lp, ref_lp, loss
-        # the sums over every rank's micro-batches: what one rank running them all would hold
-        kept, loss_sum, kl_sum, clip_sum, masked = self.dp.sum_values(
-            [kept, loss_sum, kl_sum, clip_sum, sum(1 for i in mine if not keep[i])], self.device)
-        kept = int(kept)
+        out = totals.totals(self.dp, self.device, sum(1 for i in mine if not keep[i]), g.tis_cap is not None)
+        out["keep"] = keep
         sums.finish(self.dp)
-        if 0 < kept < n:
+        if 0 < out["kept"] < n:
             for p in self.params:
                 if p.grad is not None:
-                    p.grad.mul_(n / kept)
-        out = {
-            "loss": loss_sum / kept if kept else 0.0,
-            "kl_mean": kl_sum / kept if kept else 0.0,
-            "clip_frac": clip_sum / kept if kept else 0.0,
-            "kept": kept,
-            "keep": keep,
-            "masked": int(masked),
-        }
+                    p.grad.mul_(n / out["kept"])
         if decide:
             mm_abs_sum, mm_k3_sum = self.dp.sum_values([sum(mm_abs), sum(mm_k3)], self.device)
             out["mismatch"] = (mm_abs_sum / n, mm_k3_sum / n)
-        if g.tis_cap is not None:
-            tis_sum, tis_capped, tis_tokens = self.dp.sum_values([tis_sum, tis_capped, tis_tokens], self.device)
-            out["tis/weight_mean"] = tis_sum / max(tis_tokens, 1)
-            out["tis/capped_frac"] = tis_capped / max(tis_tokens, 1)
         return out
 
     def _optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
@@ -234,18 +192,20 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if not items:
             return {"loss": 0.0, "grad_norm": 0.0, "kl_mean": 0.0, "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
-                    "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True, "learner/tokens_per_s": 0.0,
-                    "learner/tflops": 0.0, "learner/micro_batch_tokens": self.micro_batch_tokens or 0}
+                    "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True, **dict.fromkeys(THROUGHPUT_KEYS, 0.0),
+                    "learner/micro_batch_tokens": self.micro_batch_tokens or 0}
         rollout = [it.rollout_logp for it in items]
+        self.executed = 0
         if epochs > 1:
             # this rank's micro-batches only (the others' old logprobs are theirs to compute)
             old = [o if o is not None else r for o, r in zip(self._score(items, POLICY), rollout)]
-            per_abs, per_k3 = _mismatch(rollout, old)
+            per_abs, per_k3 = ragged_mismatch(rollout, old)
             keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in per_k3]
             # an item of another rank's share compares its rollout logprobs with themselves: 0, counted there
             mm_abs, mm_k3 = (v / len(items) for v in self.dp.sum_values([sum(per_abs), sum(per_k3)], self.device))
         else:
             old, keep = rollout, None
+        rescored, self.executed = self.executed, 0
         stepped, ran, norm = 0, 0, 0.0
         for _ in range(epochs):
             stats = self._accumulate(items, old, keep)
@@ -261,11 +221,7 @@ class Learner:
         # "skipped" means the weights did not move at all; a later epoch failing after an earlier
         # one stepped still changed the policy (and its version), which must be pushed
         skipped = stepped == 0
-        if masked:
-            warnings.warn(f"learner: {masked}/{len(items)} samples masked (rollout/learner logprob k3 > "
-                          f"{self.cfg.learner.mismatch_mask_k3}): weight sync or injection may have failed"
-                          + (", or one step moved the policy that far (grpo.overlap_rollout samples one step behind)"
-                             if self.cfg.grpo.overlap_rollout else ""), RuntimeWarning)
+        warn_masked(masked, len(items), self.cfg.learner.mismatch_mask_k3, self.cfg.grpo.overlap_rollout)
         if self.device.type == "cuda" and self.cfg.placement.mode == "colocated" and (
                 self.cfg.critic.train or self.cfg.rollout.sleep_during_update):
             # the GPU is shared: the critic's co-training step and vLLM's wake-up come next and need the
@@ -273,60 +229,28 @@ class Learner:
             torch.cuda.empty_cache()
         _sync(self.device)
         seconds = time.perf_counter() - t0
-        # tokens as an unpacked forward sees them (prompt + response per sample, no padding); FLOPs the
-        # usual 6·N·tokens per epoch (policy forward + backward, reference forward), plus 2·N·tokens for
-        # the policy's rescoring of the batch when ppo_epochs > 1
+        # tokens as an unpacked forward sees them (prompt + response per sample), and what every rank's
+        # forwards really ran (learner.throughput has both FLOP counts)
         tokens = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
-        flops = (6 * ran + (2 if epochs > 1 else 0)) * self.base_params * tokens
+        executed, rescored = self.dp.sum_values([self.executed, rescored], self.device)
         return {
             "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
             "logprob_mismatch_mean_abs": mm_abs, "logprob_mismatch_k3": mm_k3,
             "masked": masked, "skipped": skipped,
-            "learner/tokens_per_s": tokens * ran / seconds,
-            "learner/tflops": flops / seconds / 1e12,
+            **update_throughput(self.base_params, tokens, int(executed), int(rescored), ran, seconds),
             "learner/micro_batch_tokens": self.micro_batch_tokens or 0,
             **{k: v for k, v in stats.items() if k.startswith("tis/")},
         }
 
-    # ---- export and checkpoints ------------------------------------------------------------------
-    def _peft_config(self, name: str) -> dict:
-        from shared.fileio import jsonable
-
-        return jsonable(self.model.peft_config[name].to_dict())
-
+    # ---- export and checkpoints (learner.checkpoint) ----------------------------------------------
     def export_adapter(self, device: str = "cpu"):
-        """The policy adapter with PEFT's saved key names, its PEFT config and version.
-
-        Tensors are snapshots (they share no storage with the trained weights): on the CPU by
-        default; ``device="same"`` keeps them on the learner's device for an engine in this process;
-        ``device="live"`` hands out the trained weights themselves (detached), for a caller that
-        copies them at once (``shared.weight_sync`` packs them into its buffer).
-        """
-        from peft import get_peft_model_state_dict
-
-        from shared.fileio import cpu_copy
-        from shared.types import AdapterUpdate
-
-        state = get_peft_model_state_dict(self.model, adapter_name=POLICY)
-        copy = {"cpu": cpu_copy, "same": lambda t: t.detach().clone().contiguous(), "live": lambda t: t.detach()}[device]
-        return AdapterUpdate(version=self.version, tensors={k: copy(v) for k, v in state.items()},
-                             peft_config=self._peft_config(POLICY))
+        """The policy adapter as pushed to the engines (``learner.checkpoint.export_adapter``)."""
+        return checkpoint.export_adapter(self, device)
 
     def checksum(self) -> list[float]:
-        """A cheap fingerprint of the trained state (float64 sums over the policy adapter and the first
-        optimiser moments): data-parallel ranks that took the same steps hold the same bits."""
-        with torch.no_grad():
-            total = torch.zeros(3, dtype=torch.float64, device=self.device)
-            for p in self.params:
-                x = p.detach().double()
-                total[0] += x.sum()
-                total[1] += (x * x).sum()
-                moment = self.optimizer.state.get(p, {}).get("exp_avg")
-                if moment is not None:
-                    total[2] += moment.double().abs().sum()
-        return [self.step, self.version, *total.tolist()]
+        """A fingerprint of the trained state, equal on ranks that took the same steps (``learner.checkpoint``)."""
+        return checkpoint.checksum(self)
 
-    # ---- checkpoints (learner.checkpoint) --------------------------------------------------------
     def save(self, directory, reference: str | None = None) -> Path:
         """Policy adapter, optimiser state, RNG, step and version, atomically (``learner.checkpoint.save``)."""
         return checkpoint.save(self, directory, reference)

@@ -64,8 +64,8 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
     m = learner.update(samples, _adv(len(samples)), vectors)
     assert m["learner/micro_batch_tokens"] == learner.micro_batch_tokens == CPU_MAX_TOKENS
-    assert m["learner/tokens_per_s"] > 0 and m["learner/tflops"] > 0
-    assert m["learner/tflops"] * 1e12 / m["learner/tokens_per_s"] == pytest.approx(6 * learner.base_params, rel=1e-6)
+    assert m["learner/tokens_per_s"] > 0 and m["learner/tflops_effective"] > 0
+    assert m["learner/tflops_effective"] * 1e12 / m["learner/tokens_per_s"] == pytest.approx(6 * learner.base_params, rel=1e-6)
     assert learner.base_params == sum(p.numel() for n, p in learner.model.named_parameters() if "lora_" not in n)
     learner.micro_batch_tokens = 4096  # as if another machine had chosen it
     learner.save(tmp_path / "ckpt")
@@ -144,3 +144,27 @@ def test_a_run_saved_before_the_packed_update_resumes_on_the_padded_one(tiny_dir
     assert RunDir.open(tmp_path).config(["grpo.steps=5"]).learner.forward == "padded"
     (tmp_path / "config.yaml").write_text(dump_config(cfg))
     assert RunDir.open(tmp_path).config().learner.forward == "packed"
+
+
+@pytest.mark.parametrize("forward,epochs", [("packed", 1), ("padded", 1), ("packed", 2)])
+def test_executed_flops_count_the_tokens_the_forwards_ran(tiny_dir, uneven, forward, epochs):
+    """learner/tflops_executed counts each prompt once (packed), no padding, and the rescoring pass."""
+    from learner.micro_batches import items_from as _items
+    from learner.update_metrics import executed_tokens
+
+    samples, vectors = uneven["embed"]
+    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8, forward=forward, ppo_epochs=epochs, lr=1e-2,
+                               mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
+    items = _items(samples, vectors)
+    per_pass = sum(executed_tokens(b) for _, b in learner._micro_batches(items))
+    logical = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    m = learner.update(samples, _adv(len(samples)), vectors)
+    # rescoring (epochs > 1) runs the same micro-batches once more, forward only
+    assert m["learner/executed_tokens"] == per_pass * (epochs + (1 if epochs > 1 else 0))
+    if forward == "packed":
+        assert per_pass < logical  # each group's prompt ran once
+    else:
+        assert per_pass == logical  # every sample's own tokens, the padding left out
+    seconds = logical * epochs / m["learner/tokens_per_s"]
+    want = (6 * per_pass * epochs + (2 * per_pass if epochs > 1 else 0)) * learner.base_params / seconds / 1e12
+    assert m["learner/tflops_executed"] == pytest.approx(want, rel=1e-6)
