@@ -27,10 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_benchmark  # noqa: E402  (the shared workload)
 
 VARIANTS = {
-    "padded": {"forward": "padded", "micro_batch": 8},
-    "packed": {"forward": "packed", "micro_batch": "auto"},
+    "padded": {"forward": "padded", "micro_batch": 8, "kernels": "none"},
+    "packed": {"forward": "packed", "micro_batch": "auto", "kernels": "none"},
     # every sample its own row (no shared prompt): what bf16 LoRA + the chunked head give alone
-    "packed_unshared": {"forward": "packed", "micro_batch": "auto", "unshared": True},
+    "packed_unshared": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "unshared": True},
+    # learner.kernels: the decoder's elementwise chains fused
+    "liger": {"forward": "packed", "micro_batch": "auto", "kernels": "liger"},
+    "compile": {"forward": "packed", "micro_batch": "auto", "kernels": "compile"},
 }
 
 
@@ -58,7 +61,9 @@ def main() -> int:
     ap.add_argument("--lengths", choices=["fixed", "uniform"], default="fixed")
     ap.add_argument("--variants", default="padded,packed,packed_unshared")
     ap.add_argument("--gradient-checkpointing", action="store_true")
-    ap.add_argument("--profile", help="write a torch-profiler table of one packed update here")
+    ap.add_argument("--profile", help="write a torch-profiler table of one update of each packed variant here "
+                    "(PATH-<variant>.txt)")
+    ap.add_argument("--profile-prompts", type=int, default=8, help="prompts (groups) in the profiled update")
     ap.add_argument("--gemm-n", type=int, default=8192, help="size of the square bf16 matmul that measures the GEMM peak")
     args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-learner.json")
     dev = step_benchmark.DEVICE
@@ -74,12 +79,14 @@ def main() -> int:
     base_cfg = {
         "model": {"path": str(root / "model"), "dtype": "bfloat16" if dev == "cuda" else "float32"},
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
-        "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens},
+        "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "sleep_during_update": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "lr": 1e-6, "optimizer": "adamw",
                     "gradient_checkpointing": args.gradient_checkpointing,
                     "mismatch_mask_k3": 1e9},  # synthetic rollout logprobs: nothing may be masked out of the loss
         "grpo": {"prompts_per_step": args.prompts},
-        "placement": {"mode": "cpu"},
+        # the learner alone: on a GPU as one colocated learner would run (no critic step, no engine to wake)
+        "placement": {"mode": "colocated" if dev == "cuda" else "cpu"},
+        "critic": {"train": False},
         "logging": {"eval_every": 0},
     }
     job = prepare_job(build_config(base_cfg, "benchmark"), log=lambda m: None)
@@ -134,12 +141,13 @@ def main() -> int:
             from torch.profiler import ProfilerActivity, profile
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
-            few = 2 * args.group  # two groups: a short trace of the same kernels
+            few = args.profile_prompts * args.group  # a shorter trace of the same kernels
             with profile(activities=acts) as prof:
                 learner.update(samples[:few], adv[:few], vecs[:few])
                 step_benchmark.sync()
             key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
-            Path(args.profile).write_text(prof.key_averages().table(sort_by=key, row_limit=40))
+            out = Path(f"{args.profile.removesuffix('.txt')}-{name}.txt")
+            out.write_text(prof.key_averages().table(sort_by=key, row_limit=45))
         learner = None  # free the GPU before the next variant
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -226,6 +226,10 @@ class Policy:
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
         self.packed = False
         self.use_forward(cfg.learner.forward)
+        from learner import kernels
+
+        self.kernels = kernels.resolve(cfg.learner.kernels, self.device)
+        kernels.install(self.model, self.kernels)
 
     def use_forward(self, kind: str) -> None:
         """``packed`` (fused LoRA, shared-prefix rows, chunked head) or ``padded`` (PEFT's forward, padded rows)."""

@@ -216,6 +216,9 @@ class LearnerConfig(_Section):
     LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (injection stays set)."""
+    kernels: Literal["auto", "none", "liger", "compile"] = "auto"
+    """Fused decoder kernels (learner/kernels.py): liger = liger-kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA);
+    compile = each decoder layer torch.compiled; none = eager; auto = liger on a GPU where it is installed, else none."""
     nf4_fp32_modules: bool = False
     """NF4 base only: cast its unquantised modules (norms, embeddings, LM head) to fp32, as PEFT's
     prepare_model_for_kbit_training and the reference trainer do. Then every activation after a norm is fp32:
@@ -571,6 +574,13 @@ def nf4_needs_gpus(cfg):
     if cfg.model.quantization != "none" and not _on_gpu(cfg):
         return (f"model.quantization={cfg.model.quantization}: bitsandbytes NF4 needs CUDA GPUs; placement.mode=cpu runs "
                 "an unquantised base (quantization: none)")
+
+
+@_rule
+def liger_kernels_need_gpus(cfg):
+    if cfg.learner.kernels == "liger" and not _on_gpu(cfg):
+        return ("learner.kernels=liger: liger-kernel's Triton kernels need CUDA GPUs; placement.mode=cpu takes "
+                "kernels none (or auto, or compile)")
 
 
 @_rule

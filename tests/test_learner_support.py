@@ -11,10 +11,13 @@ import torch
 from shared.types import Sample
 
 
-def make_cfg(tiny_dir, mode: str = "embed", **learner):
+def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", **learner):
     from shared.config import build_config
 
     raw = {
+        "placement": {"mode": placement},
+        # a learner-only GPU test: vLLM (not started) would refuse the fp32 fixture
+        **({"rollout": {"backend": "hf"}} if placement != "cpu" else {}),
         "seed": 0,
         "model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
         "data": {"parquet": str(tiny_dir / "rl.parquet")},
