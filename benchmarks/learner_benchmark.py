@@ -27,13 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import step_benchmark  # noqa: E402  (the shared workload)
 
 VARIANTS = {
-    "padded": {"forward": "padded", "micro_batch": 8, "kernels": "none"},
-    "packed": {"forward": "packed", "micro_batch": "auto", "kernels": "none"},
+    "padded": {"forward": "padded", "micro_batch": 8, "kernels": "none", "attention": "sdpa"},
+    "packed": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "sdpa"},
     # every sample its own row (no shared prompt): what bf16 LoRA + the chunked head give alone
-    "packed_unshared": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "unshared": True},
+    "packed_unshared": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "sdpa",
+                        "unshared": True},
     # learner.kernels: the decoder's elementwise chains fused
-    "liger": {"forward": "packed", "micro_batch": "auto", "kernels": "liger"},
-    "compile": {"forward": "packed", "micro_batch": "auto", "kernels": "compile"},
+    "liger": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "sdpa"},
+    "compile": {"forward": "packed", "micro_batch": "auto", "kernels": "compile", "attention": "sdpa"},
+    # learner.attention: flex, FlexAttention's block mask instead of the dense one
+    "flex": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "flex"},
+    "liger_flex": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex"},
 }
 
 

@@ -107,7 +107,8 @@ class MicroBatches:
 
             def packed(group):
                 def build():
-                    batch = pack(group, responses, self.policy.pad_id, self.device)
+                    batch = pack(group, responses, self.policy.pad_id, self.device,
+                                 dense_mask=self.policy.attention != "flex")
                     return batch.members, batch
                 return sum(r.length for r in group), build
 

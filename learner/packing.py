@@ -43,7 +43,8 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # [R, L]
     position_ids: torch.Tensor  # [R, L]
-    attention_mask: torch.Tensor  # [R, 1, L, L] bool, True = may attend
+    attention_mask: torch.Tensor | None  # [R, 1, L, L] bool, True = may attend (None: flex attention, from segments)
+    segments: torch.Tensor  # [R, L] -1 prompt, k >= 0 response k, -2 pad
     sites: torch.Tensor  # [R]
     vectors: torch.Tensor  # [R, d] fp32
     pred_index: torch.Tensor  # [M] flat index (r·L + p) of the position that predicts each response token
@@ -120,8 +121,9 @@ def segment_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed.unsqueeze(1)
 
 
-def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device) -> PackedBatch:
-    """The tensors of one micro-batch of ``rows``; ``responses[i]`` is item i's response ids."""
+def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device, dense_mask: bool = True) -> PackedBatch:
+    """The tensors of one micro-batch of ``rows``; ``responses[i]`` is item i's response ids. ``dense_mask``:
+    build the ``[R, 1, L, L]`` mask (not needed by ``learner.packed_attention``, which reads the segments)."""
     R = len(rows)
     L = _aligned(max(r.length for r in rows))
     ids = torch.full((R, L), pad_id, dtype=torch.long)
@@ -149,7 +151,8 @@ def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device) -> Pa
     T = max(lens)
     slot = torch.cat([s * T + torch.arange(n) for s, n in enumerate(lens)])
     return PackedBatch(
-        input_ids=ids.to(device), position_ids=pos.to(device), attention_mask=segment_mask(seg).to(device),
+        input_ids=ids.to(device), position_ids=pos.to(device),
+        attention_mask=segment_mask(seg).to(device) if dense_mask else None, segments=seg.to(device),
         sites=torch.tensor([row.site for row in rows], dtype=torch.long, device=device),
         vectors=torch.stack([row.vector for row in rows]).to(device=device, dtype=torch.float32),
         pred_index=torch.cat(pred).to(device), targets=torch.cat(targets).to(device), slot=slot.to(device),

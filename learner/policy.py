@@ -225,6 +225,8 @@ class Policy:
         pad = self.model.config.pad_token_id
         self.pad_id = int(pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
         self.packed = False
+        self.attention = "sdpa"
+        self._dense_attention = self.model.get_base_model().config._attn_implementation  # sdpa, or eager on the CPU
         self.use_forward(cfg.learner.forward)
         from learner import kernels
 
@@ -232,11 +234,14 @@ class Policy:
         kernels.install(self.model, self.kernels)
 
     def use_forward(self, kind: str) -> None:
-        """``packed`` (fused LoRA, shared-prefix rows, chunked head) or ``padded`` (PEFT's forward, padded rows)."""
-        from learner import lora_compute
+        """``packed`` (fused LoRA, shared-prefix rows, chunked head) or ``padded`` (PEFT's forward, padded rows);
+        the packed rows' attention as ``learner.attention`` resolves (``learner.packed_attention``)."""
+        from learner import lora_compute, packed_attention
 
+        config = self.model.get_base_model().config
+        config._attn_implementation = self._dense_attention
         if kind == "packed":
-            _check_packable(self.model.config)
+            _check_packable(config)
             if getattr(self.model.get_base_model().get_output_embeddings(), "bias", None) is not None:
                 raise ValueError("learner.forward packed: the model's LM head has a bias, which the packed head "
                                  "does not add; set learner.forward: padded")
@@ -244,6 +249,9 @@ class Policy:
         else:
             lora_compute.uninstall(self.model)
         self.packed = kind == "packed"
+        self.attention = packed_attention.resolve(self.cfg.learner.attention, self.device, self.packed)
+        if self.attention == "flex":
+            config._attn_implementation = packed_attention.register()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(adapter_parameters(self.model, POLICY).values())
@@ -301,7 +309,12 @@ class Policy:
         """The decoder over packed rows, then the LM head on the response-predicting positions only."""
         lm = self.model.get_base_model()
         mask = batch.attention_mask
-        if lm.config._attn_implementation == "eager":  # eager adds the mask to the scores
+        if self.attention == "flex":
+            from learner.packed_attention import block_mask
+
+            if mask is None:  # built once per micro-batch, for the policy's forward and the reference's
+                mask = batch.attention_mask = block_mask(batch.segments)
+        elif lm.config._attn_implementation == "eager":  # eager adds the mask to the scores
             dtype = self.model.get_input_embeddings().weight.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
         common = dict(attention_mask=mask, position_ids=batch.position_ids, use_cache=False)

@@ -16,6 +16,7 @@ from learner import checkpoint
 from learner.policy import POLICY
 from learner.learner import Learner, _sync
 from learner.micro_batches import Item
+from learner.update_metrics import executed_tokens
 from sft.plan import token_nll_sum
 
 
@@ -53,7 +54,7 @@ class AvSftLearner(Learner):
                 (nll / n_tokens).backward()  # shares of the batch mean: the summed gradient is the batch's
             sums.add()
             nll_sum += float(nll.detach())
-            executed += int(batch.processed) if hasattr(batch, "processed") else int(batch.attention_mask.sum())
+            executed += executed_tokens(batch)
             del logp, nll
         nll_sum, executed = self.dp.sum_values([nll_sum, executed], self.device)
         sums.finish(self.dp)

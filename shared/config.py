@@ -216,6 +216,9 @@ class LearnerConfig(_Section):
     LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (injection stays set)."""
+    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    """Attention of the packed rows: flex = FlexAttention with a block mask from the rows' segments (no dense
+    L x L mask; learner/packed_attention.py); sdpa = a dense 4-D mask; auto = flex on a GPU, sdpa on the CPU."""
     kernels: Literal["auto", "none", "liger", "compile"] = "auto"
     """Fused decoder kernels (learner/kernels.py): liger = liger-kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA);
     compile = each decoder layer torch.compiled; none = eager; auto = liger on a GPU where it is installed, else none."""
@@ -581,6 +584,15 @@ def liger_kernels_need_gpus(cfg):
     if cfg.learner.kernels == "liger" and not _on_gpu(cfg):
         return ("learner.kernels=liger: liger-kernel's Triton kernels need CUDA GPUs; placement.mode=cpu takes "
                 "kernels none (or auto, or compile)")
+
+
+@_rule
+def flex_attention_needs_gpus_and_packed_rows(cfg):
+    if cfg.learner.attention == "flex" and not _on_gpu(cfg):
+        return ("learner.attention=flex: FlexAttention has no backward on the CPU; placement.mode=cpu takes "
+                "attention sdpa (or auto)")
+    if cfg.learner.attention == "flex" and cfg.learner.forward != "packed":
+        return "learner.attention=flex: the block mask is built for packed rows; set learner.forward: packed"
 
 
 @_rule

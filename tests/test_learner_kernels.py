@@ -69,3 +69,44 @@ def test_liger_kernels_give_the_eager_gradients_on_the_gpu(tiny_dir, rollouts, m
     assert model.policy.kernels == "liger"
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
     assert s_got["loss"] == pytest.approx(s_want["loss"], abs=1e-6)
+
+
+# ---- learner.attention: flex (FlexAttention's block mask instead of the dense one) --------------------
+def test_the_block_mask_allows_what_the_dense_mask_allows():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from learner.packed_attention import block_mask
+    from learner.packing import segment_mask
+
+    # two rows: a prompt of 5 with responses of 3 and 4, then pads; a prompt of 7 with one of 2
+    seg = torch.full((2, 16), -2, dtype=torch.long)
+    seg[0, :5], seg[0, 5:8], seg[0, 8:12] = -1, 0, 1
+    seg[1, :7], seg[1, 7:9] = -1, 2
+    dense = segment_mask(seg)
+    flex = create_mask(block_mask(seg).mask_mod, 2, 1, 16, 16, device="cpu")
+    assert torch.equal(flex, dense)
+    assert not dense[0, 0, 9, 6]  # response 1 never sees response 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_flex_attention_scores_what_the_dense_mask_scores(tiny_dir, rollouts, mode):
+    """Forward only: FlexAttention has no backward on the CPU (the GPU test compares gradients)."""
+    from learner.policy import POLICY
+
+    samples, vectors = rollouts[mode]
+    want = Learner(make_cfg(tiny_dir, mode, micro_batch=8, attention="sdpa"), load_tiny_spec(tiny_dir))
+    got = Learner(make_cfg(tiny_dir, mode, "colocated", micro_batch=8, attention="flex"), load_tiny_spec(tiny_dir))
+    assert got.policy.attention == "flex" and want.policy.attention == "sdpa"
+    a, b = got.logprobs(samples, vectors, POLICY), want.logprobs(samples, vectors, POLICY)
+    assert max(abs(x - y) for p, q in zip(a, b) for x, y in zip(p, q)) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", MODES)
+def test_flex_attention_gives_the_dense_masks_gradients_on_the_gpu(tiny_dir, rollouts, mode):
+    _, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none", attention="sdpa")
+    model, got, s_got = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none", attention="flex")
+    assert model.policy.attention == "flex"
+    assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
+    assert s_got["loss"] == pytest.approx(s_want["loss"], abs=1e-6)
