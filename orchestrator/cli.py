@@ -177,8 +177,8 @@ def _config_check(args) -> int:
     job = prepare_job(cfg, log=lambda m: None)
     ok = (f"ok: {args.config}: {cfg.grpo.steps} steps of {cfg.grpo.prompts_per_step} prompts x {cfg.rollout.group_size} "
           f"samples over {len(job.train)} training rows ({len(job.eval)} held out), placement {cfg.placement.mode}")
-    if args.show:  # the ok line as a comment after it: the output still loads as the config
-        sys.stdout.write(dump_config(cfg) + f"# {ok}\n")
+    if args.show:  # as the job resolved it (the critic's structure from its checkpoint); the ok line as a comment
+        sys.stdout.write(dump_config(job.cfg) + f"# {ok}\n")  # after it, so the output still loads as the config
     else:
         print(ok)
     return 0

@@ -45,6 +45,7 @@ def start_ray() -> None:
     ray.init(
         # "local": always a private cluster; a bare init() would join any `ray start` cluster on this host
         address="local", include_dashboard=False, log_to_driver=True, logging_level=level,
+        # vLLM's level: the user's, else quiet's ERROR, else (NLA_GRPO_VERBOSE=1) WARNING
         runtime_env={"env_vars": {"PYTHONPATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                  "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"), **quiet}},
     )
