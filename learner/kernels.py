@@ -6,8 +6,9 @@ adds, each a separate elementwise kernel forward and backward. Two ways to fuse 
 
 - ``liger``: liger-kernel's Triton RMSNorm (every norm, Qwen3's per-head q/k norms too), RoPE and
   SwiGLU, patched onto this instance only (the LoRA linears, attention and the LM head untouched).
-  Triton on CUDA only. liger's RoPE is installed in the modelling module of the model's family, so
-  it serves every model of that family in this process (the same maths).
+  Triton on CUDA only. liger also swaps the family's classes in transformers' modelling module; those
+  swaps are undone, so models built later are eager. Its RoPE, a module-level function that attention
+  calls, stays installed until a ``none`` or ``compile`` install in the same process puts the eager one back.
 - ``compile``: each decoder layer compiled by ``torch.compile`` (regional: one layer's graph, reused
   by all, dynamic sequence lengths), which fuses the same elementwise chains and the LoRA scaling.
 - ``none``: eager PyTorch.
@@ -17,9 +18,12 @@ arithmetic of the eager forward up to rounding: tests compare gradients against 
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import torch
+
+_EAGER_ROPE: dict = {}  # family -> transformers' own apply_rotary_pos_emb, while liger's is installed
 
 KINDS = ("auto", "none", "liger", "compile")
 LIGER_FAMILIES = ("qwen3", "qwen2", "llama")  # the families whose liger patch keeps the packed forward's maths
@@ -40,16 +44,27 @@ def resolve(kind: str, device: torch.device) -> str:
 def install(model, kind: str) -> None:
     """Apply resolved ``kind`` to the PEFT ``model`` (in place)."""
     base = model.get_base_model()
+    family = base.config.model_type
+    if kind != "liger" and family in _EAGER_ROPE:  # liger's RoPE from an earlier model in this process
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        module.apply_rotary_pos_emb = _EAGER_ROPE.pop(family)
     if kind == "liger":
-        family = base.config.model_type
         if family not in LIGER_FAMILIES:
             raise ValueError(f"learner.kernels=liger: no liger patch for model type {family!r} "
                              f"(supported: {', '.join(LIGER_FAMILIES)}); use compile or none")
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        before = dict(vars(module))
         # the LM head keeps this project's chunked logprobs: no fused cross-entropy
         _apply_liger_kernel_to_instance(base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                         fused_linear_cross_entropy=False)
+        for name, value in before.items():
+            if vars(module).get(name) is not value:
+                if name == "apply_rotary_pos_emb":
+                    _EAGER_ROPE.setdefault(family, value)
+                else:  # a class swap: later models of this family are built eager
+                    setattr(module, name, value)
     elif kind == "compile":
         for layer in base.get_decoder().layers:
             layer.compile(dynamic=True)

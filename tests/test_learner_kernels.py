@@ -64,9 +64,16 @@ def test_liger_on_a_cpu_placement_is_refused_in_one_line(tiny_dir):
 def test_liger_kernels_give_the_eager_gradients_on_the_gpu(tiny_dir, rollouts, mode):
     """fp32 on the GPU, so the comparison sees the kernels' maths and not bf16 rounding."""
     pytest.importorskip("liger_kernel")
-    _, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none")
+    from transformers.models.qwen3 import modeling_qwen3
+
+    eager_rope = modeling_qwen3.apply_rotary_pos_emb
     model, got, s_got = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="liger")
-    assert model.policy.kernels == "liger"
+    assert model.policy.kernels == "liger" and modeling_qwen3.apply_rotary_pos_emb is not eager_rope
+    # built after the liger one, in the same process: eager all through (liger's class swaps undone)
+    plain, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none")
+    assert modeling_qwen3.apply_rotary_pos_emb is eager_rope
+    norms = [m for m in plain.model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+    assert norms and not any("forward" in vars(m) for m in norms)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
     assert s_got["loss"] == pytest.approx(s_want["loss"], abs=1e-6)
 
