@@ -47,29 +47,35 @@ class JudgeServer:
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
                 try:
-                    user = body["messages"][-1]["content"]
-                    with server.lock:
-                        server.seen[user] = server.seen.get(user, 0) + 1
-                        first = server.seen[user] == 1
-                    if "FAIL500" in user:
-                        # the key first, as a careless server's error page might show it
-                        return self._send(500, {"error": f"boom; auth was {self.headers.get('Authorization') or self.headers.get('x-api-key')}; {dict(self.headers)}"})
-                    if ("FLAKY" in user and first):
-                        return self._send(503, {"error": "try again"})
-                    if "RATE" in user and first:
-                        return self._send(429, {"error": "slow down"})
-                    if "SLOW" in user:
-                        time.sleep(server.slow_s)
-                    if "REPLY:" in user:
-                        text = user.split("REPLY:", 1)[1]
-                    else:
-                        text = server.reply_fn(user) if server.reply_fn else '{"ok": true}'
-                    if anthropic:
-                        return self._send(200, {"content": [{"type": "text", "text": text}], "role": "assistant"})
-                    return self._send(200, {"choices": [{"message": {"role": "assistant", "content": text}}]})
+                    status, payload = self._answer(body, anthropic)
                 finally:
+                    # before the reply leaves: a client that got it may send its next request at once, and
+                    # that one must not find this one still counted
                     with server.lock:
                         server.in_flight -= 1
+                self._send(status, payload)
+
+            def _answer(self, body, anthropic: bool):
+                user = body["messages"][-1]["content"]
+                with server.lock:
+                    server.seen[user] = server.seen.get(user, 0) + 1
+                    first = server.seen[user] == 1
+                if "FAIL500" in user:
+                    # the key first, as a careless server's error page might show it
+                    return 500, {"error": f"boom; auth was {self.headers.get('Authorization') or self.headers.get('x-api-key')}; {dict(self.headers)}"}
+                if ("FLAKY" in user and first):
+                    return 503, {"error": "try again"}
+                if "RATE" in user and first:
+                    return 429, {"error": "slow down"}
+                if "SLOW" in user:
+                    time.sleep(server.slow_s)
+                if "REPLY:" in user:
+                    text = user.split("REPLY:", 1)[1]
+                else:
+                    text = server.reply_fn(user) if server.reply_fn else '{"ok": true}'
+                if anthropic:
+                    return 200, {"content": [{"type": "text", "text": text}], "role": "assistant"}
+                return 200, {"choices": [{"message": {"role": "assistant", "content": text}}]}
 
         class Server(ThreadingHTTPServer):
             daemon_threads = True
