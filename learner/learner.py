@@ -4,7 +4,7 @@ One ``update`` = per micro-batch: policy forward (with grad), reference forward 
 "reference" adapter), loss, backward, free; then one clipped optimiser step, skipped when the loss
 or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
 moments and the weights). Micro-batches are packed rows (``learner.packing``: a group's prompt once,
-its responses after it) unless ``learner.forward: padded``. The plan is ``learner.micro_batches``'s,,
+its responses after it) unless ``learner.forward: padded``. The plan is ``learner.micro_batches``'s,
 the throughput figures ``learner.update_metrics``'s, export and checkpoints ``learner.checkpoint``'s.
 """
 from __future__ import annotations
