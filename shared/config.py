@@ -122,7 +122,9 @@ class RolloutConfig(_Section):
     cap_is_failure: bool = True
     """A response cut by max_new_tokens gets the failed reward even if it closed the tag."""
     num_engines: int = Field(1, ge=1, le=64)
-    """vLLM data-parallel replicas, fed round-robin."""
+    """vLLM data-parallel replicas, fed round-robin. Colocated, up to ``COLOCATED_MAX_ENGINES`` engines share
+    the one GPU, each with its own copy of the weights and its own process: vLLM's per-row CPU work, which
+    bounds a large decode batch, then runs in parallel."""
     tensor_parallel_size: int = Field(1, ge=1, le=16)
     """vLLM tensor-parallel size per engine."""
     gpu_memory_utilization: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=0.98)]] = "auto"
@@ -526,6 +528,9 @@ class RunConfig(_Section):
         return self
 
 
+COLOCATED_MAX_ENGINES = 4
+"""Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB of an H200's 141."""
+
 SLEEP_PAYS_ABOVE = 512
 """Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape):
 at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell 8.5 s for 0.8 s of
@@ -755,11 +760,16 @@ def critic_own_gpu_needs_split(cfg):
 
 
 @_rule
-def colocated_runs_one_engine(cfg):
+def colocated_engines_fit_the_gpu(cfg):
     r = cfg.rollout
-    if cfg.placement.mode == "colocated" and (r.num_engines != 1 or r.tensor_parallel_size != 1):
-        return (f"placement.mode=colocated runs one vLLM engine on the one shared GPU: expected rollout.num_engines=1 and "
-                f"rollout.tensor_parallel_size=1, found {r.num_engines} and {r.tensor_parallel_size}; use split")
+    if cfg.placement.mode != "colocated":
+        return None
+    if r.tensor_parallel_size != 1:
+        return (f"placement.mode=colocated shares one GPU: expected rollout.tensor_parallel_size=1, found "
+                f"{r.tensor_parallel_size}; use split")
+    if r.num_engines > COLOCATED_MAX_ENGINES:
+        return (f"placement.mode=colocated: expected rollout.num_engines at most {COLOCATED_MAX_ENGINES} (each engine holds "
+                f"a copy of the weights on the one GPU), found {r.num_engines}; use split")
 
 
 def _describe_error(err: dict) -> str:

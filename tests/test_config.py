@@ -110,7 +110,7 @@ def test_bad_override_and_files(tmp_path):
     ({"rollout": {"sleep_during_update": True}}, "rollout.sleep_during_update needs placement.mode=colocated"),
     ({"placement": {"mode": "split"}, "model": {"dtype": "float32"}}, "model.dtype=float32 with the vLLM rollout"),
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
-    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 2}}, "rollout.num_engines=1"),
+    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 5}}, "rollout.num_engines at most 4"),
     ({"placement": {"mode": "colocated"}, "model": {"quantization": "nf4", "dtype": "float32"}, "rollout": {"backend": "hf"}},
      "model.quantization=nf4 with model.dtype=float32"),
     ({"placement": {"mode": "colocated"}, "model": {"quantization": "nf4"}, "critic": {"train": True, "lora_r": 0, "checkpoint": "x"}},

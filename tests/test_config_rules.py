@@ -42,7 +42,7 @@ CASES = {
     "every_learner_rank_gets_a_sample": {"placement": {"learner_workers": 3}, "grpo": {"prompts_per_step": 1},
                                          "rollout": {"group_size": 2}},
     "critic_own_gpu_needs_split": {"placement": {"critic_own_gpu": True}},
-    "colocated_runs_one_engine": _with(GPU, rollout={"num_engines": 2}),
+    "colocated_engines_fit_the_gpu": _with(GPU, rollout={"num_engines": 5}),
 }
 
 

@@ -377,6 +377,14 @@ def test_colocated_job_with_vllm_sleep_learns_on_one_gpu(tiny_dir, tmp_path):
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3  # bf16 noise; a stale or lost adapter is far above
 
 
+def test_two_engines_share_the_gpu_of_a_colocated_job(tiny_dir, tmp_path):
+    """rollout.num_engines=2 colocated: both engines on the one GPU, each pushed every adapter (merged)."""
+    rows = _gpu_job(tiny_dir, tmp_path / "colocated-2", 20, "placement.mode=colocated", "rollout.num_engines=2",
+                    "rollout.lora=merged", "logging.eval_every=10")
+    assert rows[-1]["adapter_version"] == 21
+    assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("route", ["host", "broadcast"])
 def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):

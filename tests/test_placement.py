@@ -17,6 +17,7 @@ pytestmark = pytest.mark.timeout(300)
 
 class WhereRollout(FakeRollout):
     def __init__(self, cfg, spec, backend, device):
+        self.started_at = time.time()
         time.sleep(0.5)  # an engine takes a while to come up
         super().__init__(cfg.rollout.group_size)
         self.device, self.ready_at = device, time.time()
@@ -25,6 +26,9 @@ class WhereRollout(FakeRollout):
         import ray
 
         return self.device, sorted(ray.get_gpu_ids()), self.ready_at
+
+    def started(self):
+        return self.started_at
 
 
 class WhereLearner(FakeLearner):
@@ -69,15 +73,21 @@ def _classes(ray):
     return WhereRollout, WhereLearner, WhereCritic
 
 
-def test_colocated_shares_one_gpu(ray_gpus, tiny_dir):
-    cfg = _cfg(tiny_dir, {"mode": "colocated"})
+@pytest.mark.parametrize("engines", [1, 2])
+def test_colocated_shares_one_gpu(ray_gpus, tiny_dir, engines):
+    cfg = _cfg(tiny_dir, {"mode": "colocated"}, num_engines=engines)
     assert gpu_count_needed(cfg) == 1
     s = start_services(cfg, None, _classes(ray_gpus))
     try:
-        (device, rgpu, ready_at), = ray_gpus.get([r.where.remote() for r in s.rollouts])
+        places = ray_gpus.get([r.where.remote() for r in s.rollouts])
+        started = ray_gpus.get([r.started.remote() for r in s.rollouts])
         (lgpu, learner_started), cgpu = ray_gpus.get([s.learner.leader.where.remote(), s.critic.leader.where.remote()])
-        assert device == "cuda" and len(rgpu) == 1 and rgpu == lgpu == cgpu
-        assert learner_started >= ready_at  # vLLM profiles its memory share before the learner loads
+        assert len(places) == engines and all(device == "cuda" and ids == lgpu == cgpu for device, ids, _ in places)
+        assert len(lgpu) == 1
+        # vLLM profiles its memory share alone: each engine starts once the one before is up, the learner last
+        ready = [ready_at for _, _, ready_at in places]
+        assert all(later >= ready[i] for i, later in enumerate(started[1:]))
+        assert learner_started >= ready[-1]
     finally:
         stop_services(s)
 

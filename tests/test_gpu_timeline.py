@@ -1,0 +1,54 @@
+"""benchmarks/gpu_timeline.py: the GPU's busy share and its idle gaps, blamed on the host ops that ran then."""
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from gpu_timeline import Span, idle_gaps, merge, spans_from_profiler, timeline_report  # noqa: E402
+
+
+def test_merge_joins_overlapping_and_touching_intervals():
+    spans = [Span("a", 5, 7), Span("b", 0, 2), Span("c", 1, 3), Span("d", 3, 4), Span("e", 6, 6.5)]
+    assert merge(spans) == [(0, 4), (5, 7)]
+
+
+def test_idle_gaps_are_the_window_minus_the_device_spans():
+    device = [Span("k1", 10, 20), Span("k2", 15, 30), Span("k3", 50, 60)]
+    assert idle_gaps(device, (0, 100)) == [(0, 10), (30, 50), (60, 100)]
+    assert idle_gaps(device, (12, 55)) == [(30, 50)]  # clipped to the window
+    assert idle_gaps([], (0, 5)) == [(0, 5)]
+
+
+def test_report_blames_each_gap_on_the_host_ops_that_overlapped_it():
+    # GPU: busy 0-100 and 300-400; the host synced (item) during 100-200, then built a batch 200-300
+    device = [Span("gemm", 0, 100), Span("gemm", 300, 400)]
+    host = [Span("aten::mm", 0, 20), Span("aten::item", 90, 200), Span("pack_rows", 200, 300)]
+    rep = timeline_report(device, host, (0, 400), min_gap_us=10)
+    assert rep["busy"] == pytest.approx(0.5) and rep["idle_ms"] == pytest.approx(0.2)
+    assert rep["idle_by_op"] == {"aten::item": 0.1, "pack_rows": 0.1}
+    (gap,) = rep["gaps"]
+    assert gap["at_ms"] == pytest.approx(0.1) and gap["ms"] == pytest.approx(0.2)
+    assert set(gap["host_ops"]) == {"aten::item", "pack_rows"} and gap["ended_by"] == "gemm"
+
+
+def test_report_lists_the_longest_gaps_first_and_skips_short_ones():
+    device = [Span("k", 0, 10), Span("k", 20, 30), Span("k", 130, 140), Span("k", 141, 150)]
+    rep = timeline_report(device, [], (0, 150), min_gap_us=5)
+    assert [g["ms"] for g in rep["gaps"]] == [pytest.approx(0.1), pytest.approx(0.01)]  # the 1 µs gap left out
+    assert rep["idle_by_op"] == {"(no host op)": pytest.approx(0.111)}
+
+
+def test_spans_come_from_a_real_profile():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        (x @ x).sum().item()
+    device, host = spans_from_profiler(prof)
+    names = {s.name for s in host}
+    assert not device and {"aten::matmul", "aten::sum", "aten::item"} <= names  # outermost ops only: no aten::mm
+    assert "aten::mm" not in names and all(s.end > s.start for s in host)
