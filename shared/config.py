@@ -128,8 +128,8 @@ class RolloutConfig(_Section):
     tensor_parallel_size: int = Field(1, ge=1, le=16)
     """vLLM tensor-parallel size per engine."""
     gpu_memory_utilization: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=0.98)]] = "auto"
-    """Share of each rollout GPU vLLM may take; auto = colocated, the weights plus the KV cache one step's batch
-    needs (rollout.engine_plan), the rest left to the learner; on a GPU of its own, 0.9."""
+    """Share of the GPU each vLLM engine may take; auto = colocated, the weights plus the KV cache its part of one
+    step's batch needs (rollout.engine_plan), the rest left to the learner; on a GPU of its own, 0.9."""
     max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
     """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch."""
     lora: Literal["adapter", "merged"] = "adapter"
