@@ -30,7 +30,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,39 +38,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import step_benchmark  # noqa: E402  (the shared workload: model shape, data, options)
+from gpu_monitor import SmiPoll  # noqa: E402
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
-
-
-class DeviceMemory:
-    """Peak memory in use on the fullest GPU (every process on it: vLLM, learner, critic), polled with nvidia-smi
-    from outside the job so that the benchmark itself holds no CUDA context; NaN without nvidia-smi."""
-
-    def __enter__(self):
-        self.peak_gib = float("nan")
-        try:
-            self.proc = subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                          "-lms", "500"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self.proc = None
-            return self
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-        return self
-
-    def _read(self):
-        for line in self.proc.stdout:
-            if not line.strip():
-                continue
-            mib = float(line)  # one line per GPU per poll
-            self.peak_gib = mib / 1024 if self.peak_gib != self.peak_gib else max(self.peak_gib, mib / 1024)
-
-    def __exit__(self, *exc):
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-            self.thread.join(timeout=5)
-        return False
 
 
 def job_config(root: Path, args) -> dict:
@@ -169,8 +138,11 @@ def main() -> int:
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
     print("[job]", " ".join(cmd), flush=True)
     t = time.perf_counter()
-    with DeviceMemory() as memory:
+    # every process on the GPU (vLLM, learner, critic), polled from outside the job: this script holds no CUDA context
+    with SmiPoll() as smi:
         proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    gpu = smi.summary()
+    peak_gib = gpu["memory.used"]["max"] / 1024
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         print(f"[job] failed with exit code {proc.returncode}", file=sys.stderr)
@@ -184,7 +156,7 @@ def main() -> int:
     res = {
         "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
         "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
-        "device_memory_peak_gib": memory.peak_gib,
+        "device_memory_peak_gib": peak_gib, "gpu_poll": gpu,
         "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
         "logprob_mismatch_k3": [r["logprob_mismatch_k3"] for r in rows],
     }
@@ -199,7 +171,7 @@ def main() -> int:
         print(f"| {k} | {v:.2f} |")
     print(f"\nsamples/s {res['samples_per_s']:.1f}; mean response {res['mean_resp_len']:.0f} tokens; "
           f"speedup vs reference-style {res.get('speedup', float('nan')):.1f}x; job wall {wall:.0f}s; "
-          f"device memory peak {memory.peak_gib:.1f} GiB")
+          f"device memory peak {peak_gib:.1f} GiB")
     return 0
 
 

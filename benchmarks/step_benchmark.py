@@ -156,6 +156,42 @@ def gemm_peak(n: int, warmup: int = 3, reps: int = 20) -> dict:
             "tflops": 2 * n ** 3 / med / 1e12, "tflops_best": 2 * n ** 3 / min(times) / 1e12}
 
 
+def gemm_sustained(n: int, seconds: float = 10.0, block: int = 20) -> dict:
+    """TFLOP/s of n×n×n bf16 ``torch.matmul``s issued back to back for ``seconds`` (blocks of ``block``, timed
+    by CUDA events), over the second half only: the rate once the board has settled at the clock a long
+    load holds it to, beside ``gemm_peak``'s short bursts. On the CPU a few float32 blocks, only to run the code."""
+    import torch
+
+    cuda = DEVICE == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    a = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    out = torch.empty_like(a)
+    rates, t0 = [], time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(block):
+                torch.matmul(a, b, out=out)
+            end.record()
+            end.synchronize()
+            dt = start.elapsed_time(end) / 1e3
+        else:
+            t = time.perf_counter()
+            for _ in range(block):
+                torch.matmul(a, b, out=out)
+            dt = time.perf_counter() - t
+        rates.append((time.perf_counter() - t0, 2 * n ** 3 * block / dt / 1e12))
+    late = [r for t, r in rates if t >= seconds / 2] or [rates[-1][1]]
+    del a, b, out
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "seconds": seconds, "blocks": len(rates),
+            "tflops": statistics.median(late), "tflops_first_block": rates[0][1]}
+
+
 def reset_peak():
     import torch
 

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_timeline.py: the GPU's busy share and its idle gaps, blamed on the host ops that ran then."""
+"""benchmarks/gpu_timeline.py: the GPU's busy share and its idle gaps, blamed on the host ops that ran then;
+benchmarks/gpu_monitor.py: what nvidia-smi reported meanwhile."""
 import sys
 
 import pytest
@@ -52,3 +53,24 @@ def test_spans_come_from_a_real_profile():
     names = {s.name for s in host}
     assert not device and {"aten::matmul", "aten::sum", "aten::item"} <= names  # outermost ops only: no aten::mm
     assert "aten::mm" not in names and all(s.end > s.start for s in host)
+
+
+def test_smi_poll_summarises_each_field_and_skips_unreadable_rows():
+    from gpu_monitor import SmiPoll
+
+    rows = "print('100, 1980, 500.5'); print('[N/A], 1, 2'); print('300, 1500, 690'); print('200, 1700, 650')"
+    with SmiPoll(command=[sys.executable, "-c", rows]) as poll:
+        poll.proc.wait()
+    s = poll.summary()
+    assert s["memory.used"] == {"median": 200.0, "min": 100.0, "max": 300.0}
+    assert s["clocks.sm"]["median"] == 1700.0 and s["power.draw"]["max"] == 690.0
+
+
+def test_smi_poll_without_nvidia_smi_gives_nan():
+    import math
+
+    from gpu_monitor import SmiPoll
+
+    with SmiPoll(command=["/nonexistent/nvidia-smi"]) as poll:
+        pass
+    assert all(math.isnan(v) for f in poll.summary().values() for v in f.values())

@@ -1,0 +1,66 @@
+"""What the GPU reported while a benchmark ran: memory in use, SM clock, power, polled with nvidia-smi.
+
+The poll runs outside the measured code (a child process read by a thread), so the benchmark holds no extra
+CUDA context and the GPU does no extra work. A sustained load can lower the SM clock (the board's power
+cap); a GEMM peak timed in short bursts then overstates what a ten-second update can reach, and the SM
+clock seen during each variant tells whether that happened.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import subprocess
+import threading
+
+FIELDS = ("memory.used", "clocks.sm", "power.draw")  # MiB, MHz, W
+
+
+class SmiPoll:
+    """``with SmiPoll() as p: ...``; then ``p.summary()``. One row per GPU per poll; ``command`` replaces
+    nvidia-smi (tests). Without nvidia-smi every figure is NaN."""
+
+    def __init__(self, fields=FIELDS, interval_ms: int = 250, command: list[str] | None = None):
+        self.fields = tuple(fields)
+        self.command = command or ["nvidia-smi", f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits",
+                                   "-lms", str(interval_ms)]
+        self.rows: list[tuple[float, ...]] = []
+        self.proc = None
+
+    def __enter__(self):
+        try:
+            self.proc = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+        return self
+
+    def _read(self):
+        for line in self.proc.stdout:
+            parts = [p.strip() for p in line.split(",")]
+            if len(parts) != len(self.fields):
+                continue
+            try:
+                self.rows.append(tuple(float(p) for p in parts))
+            except ValueError:  # "[N/A]" and the like
+                continue
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.thread.join(timeout=5)
+        return False
+
+    def values(self, field: str) -> list[float]:
+        i = self.fields.index(field)
+        return [r[i] for r in self.rows]
+
+    def summary(self) -> dict:
+        """Per field: median, min and max over the polls (NaN when none came)."""
+        out = {}
+        for f in self.fields:
+            v = self.values(f)
+            out[f] = ({"median": statistics.median(v), "min": min(v), "max": max(v)} if v
+                      else dict.fromkeys(("median", "min", "max"), math.nan))
+        return out
