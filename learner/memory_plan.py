@@ -1,7 +1,7 @@
 """``learner.micro_batch: auto``: how many tokens one micro-batch may hold, from the memory that is free.
 
 The estimate counts what backward keeps per token and decoder layer (norm inputs and outputs, the
-attention projections and output, the four MLP intermediates, the LoRA ranks), or with gradient
+attention projections and output, the MLP intermediates, the LoRA ranks; less with fused kernels), or with gradient
 checkpointing one hidden state per layer plus one layer being recomputed, times a safety factor.
 The budget is rounded down to a multiple of ``QUANTUM`` tokens so that a little jitter in free memory
 does not change the micro-batches (and with them the run's floating-point order); the learner keeps
@@ -18,9 +18,19 @@ CPU_MAX_TOKENS = 16384  # the CPU path: a fixed cap, so runs do not depend on th
 
 
 def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                               head_dim: int, lora_r: int, elem_bytes: int, checkpointing: bool) -> int:
-    """Bytes that backward keeps alive per token of a policy micro-batch (before the safety factor)."""
-    per_layer = 4 * hidden + 6 * heads * head_dim + 3 * kv_heads * head_dim + 4 * intermediate + 7 * lora_r
+                               head_dim: int, lora_r: int, elem_bytes: int, checkpointing: bool, fused: bool = False) -> int:
+    """Bytes that backward keeps alive per token of a policy micro-batch (before the safety factor).
+
+    ``fused`` (``learner.kernels`` liger or compile): each norm keeps its input alone, not its fp32
+    intermediates, and SwiGLU its two inputs, not the SiLU output. Then a layer keeps, per token: the two
+    norms' inputs and outputs (4 h; the outputs are the LoRA inputs), the q/k norms' inputs, the attention's
+    q, k, v, output and the output's copy for o_proj (4 H·d + 3 kv·d), gate, up and down's input (3 I), and
+    the seven LoRA ranks. The H200 run of RESULTS.md §11 (8B shape, liger + flex, 10,752 tokens; 72.3 GiB at the
+    peak, about 23 GB of it weights, adapters and optimiser state) kept at most about 0.95 of that count."""
+    if fused:
+        per_layer = 4 * hidden + 4 * heads * head_dim + 3 * kv_heads * head_dim + 3 * intermediate + 7 * lora_r
+    else:
+        per_layer = 4 * hidden + 6 * heads * head_dim + 3 * kv_heads * head_dim + 4 * intermediate + 7 * lora_r
     if checkpointing:
         return (layers * hidden + per_layer) * elem_bytes
     return layers * per_layer * elem_bytes
@@ -45,7 +55,7 @@ def free_bytes(device) -> int:
 
 
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
-                reserve_bytes: int = 0) -> int:
+                reserve_bytes: int = 0, fused: bool = False) -> int:
     """The micro-batch token budget for this model on ``device`` now."""
     import torch
 
@@ -54,6 +64,6 @@ def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool,
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     per_token = activation_bytes_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
                                            getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
-                                           elem_bytes, checkpointing)
+                                           elem_bytes, checkpointing, fused)
     budget = token_budget(free_bytes(device), per_token, reserve_bytes)
     return budget if torch.device(device).type == "cuda" else min(budget, CPU_MAX_TOKENS)

@@ -81,7 +81,8 @@ class MicroBatches:
             if self.dp.world_size > 1:
                 reserve += 2 * sum(p.numel() * p.element_size() for p in params)
             budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
-                                 self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES)
+                                 self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
+                                 fused=self.policy.kernels in ("liger", "compile"))
             # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
             self.budget = int(self.dp.min_value(budget, self.device))
         return self.budget
