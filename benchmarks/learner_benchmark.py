@@ -71,6 +71,7 @@ def main() -> int:
                     "(PATH-<variant>.txt), and the GPU's idle time with the host ops it went to (PATH-<variant>-timeline.txt)")
     ap.add_argument("--profile-prompts", type=int, default=8, help="prompts (groups) in the profiled update")
     ap.add_argument("--gemm-n", type=int, default=8192, help="size of the square bf16 matmul that measures the GEMM peak")
+    ap.add_argument("--kl-beta", type=float, default=0.04, help="grpo.kl_beta (0: no reference forward)")
     ap.add_argument("--gemm-seconds", type=float, default=10.0,
                     help="how long the sustained GEMM rate runs (matmuls back to back, the clock a long load holds)")
     args = step_benchmark.parse_with_dry_run(ap, "benchmarks/results/h200-learner.json")
@@ -91,7 +92,7 @@ def main() -> int:
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "lr": 1e-6, "optimizer": "adamw",
                     "gradient_checkpointing": args.gradient_checkpointing,
                     "mismatch_mask_k3": 1e9},  # synthetic rollout logprobs: nothing may be masked out of the loss
-        "grpo": {"prompts_per_step": args.prompts},
+        "grpo": {"prompts_per_step": args.prompts, "kl_beta": args.kl_beta},
         # the learner alone: on a GPU as one colocated learner would run (no critic step, no engine to wake)
         "placement": {"mode": "colocated" if dev == "cuda" else "cpu"},
         "critic": {"train": False},

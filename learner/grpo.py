@@ -65,13 +65,13 @@ def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_e
     ``k3 = exp(ref - new) - (ref - new) - 1`` and ``w`` the ``token_weights`` (``tis_weights``; 1 when
     None); each is averaged over the sample's own tokens. ``old``, ``ref`` and ``w`` are treated as
     constants. Samples without tokens get zeros and ``has_tokens`` False; callers average over the others.
+    ``ref_logp`` None (``kl_beta`` 0, no reference pass): no KL term, and ``kl`` is zeros.
     """
     mask = mask.bool()
     zero = torch.zeros((), dtype=new_logp.dtype, device=new_logp.device)
     # sanitise padding first: where() alone would still back-propagate NaN from exp(inf)
     new = torch.where(mask, new_logp, zero)
     old = torch.where(mask, old_logp.detach().to(new.dtype), zero)
-    ref = torch.where(mask, ref_logp.detach().to(new.dtype), zero)
     adv = advantages.detach().to(new.dtype).reshape(-1, 1)
 
     ratio = torch.exp(new - old)
@@ -79,8 +79,12 @@ def per_sample_grpo_terms(new_logp, old_logp, ref_logp, advantages, mask, clip_e
     surrogate = torch.minimum(ratio * adv, clipped * adv)
     if token_weights is not None:
         surrogate = surrogate * torch.where(mask, token_weights.detach().to(new.dtype), zero)
-    kl = k3(ref, new)
-    per_token = -(surrogate - kl_beta * kl)
+    if ref_logp is None:
+        kl = torch.zeros_like(new)
+        per_token = -surrogate
+    else:
+        kl = k3(torch.where(mask, ref_logp.detach().to(new.dtype), zero), new)
+        per_token = -(surrogate - kl_beta * kl)
 
     outside = ((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).to(new.dtype)
     return (

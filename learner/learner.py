@@ -1,7 +1,7 @@
 """The GRPO learner: fused micro-batched updates of the policy LoRA.
 
 One ``update`` = per micro-batch: policy forward (with grad), reference forward (no grad, frozen
-"reference" adapter), loss, backward, free; then one clipped optimiser step, skipped when the loss
+"reference" adapter; none when ``grpo.kl_beta`` is 0), loss, backward, free; then one clipped optimiser step, skipped when the loss
 or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
 moments and the weights). Micro-batches are packed rows (``learner.packing``: a group's prompt once,
 its responses after it) unless ``learner.forward: padded``. The plan is ``learner.micro_batches``'s,
@@ -52,6 +52,8 @@ class Learner:
         self.micro_batches = MicroBatches(cfg, self.policy, self.dp, self.device)
         self.base_params = base_parameter_count(self.model)
         self.executed = 0  # tokens this rank's forwards ran in the current update (learner.update_metrics)
+        # the reference forward is only there for the KL term: a third of the update's FLOPs, spared at kl_beta 0
+        self.reference_pass = cfg.grpo.kl_beta > 0
 
     # ---- micro-batches (learner.micro_batches) ------------------------------------------------
     @property
@@ -123,8 +125,10 @@ class Learner:
             rollout = pad_rows([it.rollout_logp for it in chunk], T, self.device) if decide or g.tis_cap is not None else None
             with self.policy.injecting(batch):
                 new_lp, mask = self.policy.forward_logprobs(batch)
-                with torch.no_grad(), self.policy.using(REFERENCE):
-                    ref_lp, _ = self.policy.forward_logprobs(batch)
+                ref_lp = None
+                if self.reference_pass:
+                    with torch.no_grad(), self.policy.using(REFERENCE):
+                        ref_lp, _ = self.policy.forward_logprobs(batch)
                 if decide:
                     a, k = logprob_mismatch(rollout, new_lp, mask)
                     for i, x, y in zip(idx, a.tolist(), k.tolist()):
@@ -190,8 +194,9 @@ class Learner:
         _sync(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        kl = ("kl_mean",) if self.reference_pass else ()  # no reference pass, no KL to report
         if not items:
-            return {"loss": 0.0, "grad_norm": 0.0, "kl_mean": 0.0, "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
+            return {"loss": 0.0, "grad_norm": 0.0, **dict.fromkeys(kl, 0.0), "clip_frac": 0.0, "logprob_mismatch_mean_abs": 0.0,
                     "logprob_mismatch_k3": 0.0, "masked": 0, "skipped": True, **dict.fromkeys(THROUGHPUT_KEYS, 0.0),
                     "learner/micro_batch_tokens": self.micro_batch_tokens or 0}
         rollout = [it.rollout_logp for it in items]
@@ -234,10 +239,10 @@ class Learner:
         tokens = sum(len(it.prompt_ids) + len(it.response_ids) for it in items)
         executed, rescored = self.dp.sum_values([self.executed, rescored], self.device)
         return {
-            "loss": stats["loss"], "grad_norm": norm, "kl_mean": stats["kl_mean"], "clip_frac": stats["clip_frac"],
+            "loss": stats["loss"], "grad_norm": norm, **{k: stats[k] for k in kl}, "clip_frac": stats["clip_frac"],
             "logprob_mismatch_mean_abs": mm_abs, "logprob_mismatch_k3": mm_k3,
             "masked": masked, "skipped": skipped,
-            **update_throughput(self.base_params, tokens, int(executed), int(rescored), ran, seconds),
+            **update_throughput(self.base_params, tokens, int(executed), int(rescored), ran, seconds, self.reference_pass),
             "learner/micro_batch_tokens": self.micro_batch_tokens or 0,
             **{k: v for k, v in stats.items() if k.startswith("tis/")},
         }

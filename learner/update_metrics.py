@@ -11,6 +11,8 @@ left out, attention's own FLOPs left out):
   2·N for the policy forward, 2·N for its backward (activation gradients only: the base is frozen, so
   no weight gradient), 2·N for the reference forward: 6·N; plus 2·N for the policy's rescoring pass
   when ``ppo_epochs > 1``. Divided by a GEMM peak measured on the same GPU, this is the MFU.
+
+With ``grpo.kl_beta`` 0 there is no reference forward: 4·N per token in both counts.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import warnings
 from dataclasses import dataclass
 
 EXECUTED_FLOPS_PER_TOKEN = 6  # × N: policy forward 2, policy backward (activations only) 2, reference forward 2
+REFERENCE_FLOPS_PER_TOKEN = 2  # × N: the reference forward, skipped when grpo.kl_beta is 0
 RESCORE_FLOPS_PER_TOKEN = 2  # × N: the policy's logprobs recomputed before the first epoch (ppo_epochs > 1)
 THROUGHPUT_KEYS = ("learner/tokens_per_s", "learner/tflops_effective", "learner/tflops_executed",
                    "learner/executed_tokens")
@@ -43,11 +46,13 @@ def executed_tokens(batch) -> int:
 
 
 def update_throughput(base_params: int, logical_tokens: int, executed: int, rescored: int, epochs_run: int,
-                      seconds: float) -> dict:
+                      seconds: float, reference: bool = True) -> dict:
     """The update's throughput metrics. ``executed``: tokens run by the training passes of all epochs;
-    ``rescored``: tokens run by the rescoring pass (0 at one epoch)."""
-    effective = (6 * epochs_run + (2 if rescored else 0)) * base_params * logical_tokens
-    done = EXECUTED_FLOPS_PER_TOKEN * base_params * executed + RESCORE_FLOPS_PER_TOKEN * base_params * rescored
+    ``rescored``: tokens run by the rescoring pass (0 at one epoch); ``reference``: whether each training
+    pass ran the reference forward too."""
+    per_token = EXECUTED_FLOPS_PER_TOKEN - (0 if reference else REFERENCE_FLOPS_PER_TOKEN)
+    effective = (per_token * epochs_run + (RESCORE_FLOPS_PER_TOKEN if rescored else 0)) * base_params * logical_tokens
+    done = per_token * base_params * executed + RESCORE_FLOPS_PER_TOKEN * base_params * rescored
     return {
         "learner/tokens_per_s": logical_tokens * epochs_run / seconds,
         "learner/tflops_effective": effective / seconds / 1e12,

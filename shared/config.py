@@ -273,7 +273,8 @@ class GrpoConfig(_Section):
     clip_eps: float = Field(0.2, gt=0.0, lt=1.0)
     """PPO ratio clip."""
     kl_beta: float = Field(0.04, ge=0.0, le=10.0)
-    """Weight of the k3 KL to the frozen reference adapter."""
+    """Weight of the k3 KL to the frozen reference adapter; 0 drops the term and with it the learner's reference
+    forward (a third of the update's FLOPs), and kl_mean is then not logged."""
     failed_reward: float = Field(-2.0, ge=-1000.0, le=0.0)
     """Reward of a failed rollout (no explanation, cap hit, marker echo, critic prompt too long)."""
     reward_kind: Literal["neg_log_mse", "neg_mse"] = "neg_log_mse"

@@ -95,6 +95,32 @@ def test_empty_mask_sample_is_ignored():
     assert zero.item() == 0.0 and m0["kl_mean"] == 0.0 and (x.grad == 0).all()
 
 
+def test_no_reference_is_the_loss_without_its_kl_term():
+    new, old, ref, adv, mask = _random_batch(7, [5, 2, 6])
+    x, y = new.clone().requires_grad_(True), new.clone().requires_grad_(True)
+    want, m_want = grpo_loss(x, old, ref, adv, mask, kl_beta=0.0)
+    got, m_got = grpo_loss(y, old, None, adv, mask, kl_beta=0.04)  # β is moot without a reference
+    want.backward()
+    got.backward()
+    assert got.item() == want.item() and torch.equal(x.grad, y.grad)
+    assert m_got["kl_mean"] == 0.0 and m_want["kl_mean"] > 0 and m_got["clip_frac"] == m_want["clip_frac"]
+    with_kl, _ = grpo_loss(new, old, ref, adv, mask, kl_beta=0.04)
+    assert with_kl.item() != got.item()
+
+
+def test_executed_flops_count_the_reference_pass_only_when_it_runs():
+    from learner.update_metrics import update_throughput
+
+    n, seconds = 10 ** 9, 2.0
+    full = update_throughput(n, 3000, 1000, 0, 1, seconds)
+    bare = update_throughput(n, 3000, 1000, 0, 1, seconds, reference=False)
+    assert full["learner/tflops_executed"] == pytest.approx(6 * n * 1000 / seconds / 1e12)
+    assert bare["learner/tflops_executed"] == pytest.approx(4 * n * 1000 / seconds / 1e12)
+    assert bare["learner/tflops_effective"] == pytest.approx(4 * n * 3000 / seconds / 1e12)
+    rescored = update_throughput(n, 3000, 2000, 1000, 2, seconds, reference=False)
+    assert rescored["learner/tflops_executed"] == pytest.approx((4 * 2000 + 2 * 1000) * n / seconds / 1e12)
+
+
 def test_loss_at_ratio_one_is_minus_the_advantage():
     new = torch.tensor([[-1.0, -2.0]])
     loss, m = grpo_loss(new, new, new, torch.tensor([0.7]), torch.ones(1, 2, dtype=torch.bool))

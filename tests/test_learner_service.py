@@ -109,6 +109,31 @@ def test_high_lr_update_moves_logprobs_with_the_advantage_sign(tiny_dir, rollout
                             "logprob_mismatch_k3", "masked", "skipped"}
 
 
+def test_kl_beta_zero_skips_the_reference_pass_and_keeps_the_gradient(tiny_dir, rollouts):
+    samples, vectors = rollouts["karvonen"]
+    cfg = make_cfg(tiny_dir, "karvonen", lr=1e-2, mismatch_mask_k3=1e6)
+    cfg.grpo.kl_beta = 0.0
+    bare, forced = Learner(cfg, load_tiny_spec(tiny_dir)), Learner(cfg, load_tiny_spec(tiny_dir))
+    forced.reference_pass = True  # the pass run anyway: its KL term weighs 0
+    passes = {}
+    for name, learner in (("bare", bare), ("forced", forced)):
+        forward = learner.policy.forward_logprobs
+
+        def counted(batch, forward=forward, name=name):
+            passes[name] = passes.get(name, 0) + 1
+            return forward(batch)
+
+        learner.policy.forward_logprobs = counted
+    m_bare = bare.update(samples, _adv(len(samples)), vectors)
+    m_forced = forced.update(samples, _adv(len(samples)), vectors)
+    assert passes["forced"] == 2 * passes["bare"] > 0  # one forward per micro-batch instead of two
+    assert "kl_mean" not in m_bare and m_forced["kl_mean"] >= 0
+    assert m_bare["loss"] == m_forced["loss"] and m_bare["learner/executed_tokens"] == m_forced["learner/executed_tokens"]
+    g_bare, _ = _grads(bare, samples, _adv(len(samples)), vectors)  # off the first step: LoRA B != 0
+    g_forced, _ = _grads(forced, samples, _adv(len(samples)), vectors)
+    assert all(g_bare[k].abs().max() > 0 and torch.equal(g_bare[k], g_forced[k]) for k in g_bare)
+
+
 def test_reference_adapter_is_bit_identical_after_updates_and_resume(tiny_dir, rollouts, tmp_path):
     samples, vectors = rollouts["embed"]
     learner = _learner(tiny_dir, lr=1e-2)
