@@ -40,6 +40,9 @@ VARIANTS = {
     # learner.attention: flex, FlexAttention's block mask instead of the dense one
     "flex": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "flex"},
     "liger_flex": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex"},
+    # the earlier LoRA order: base GEMM, then an out-of-place addmm of the LoRA term (learner.lora_compute)
+    "liger_flex_addmm": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex",
+                         "accumulate_in_base": False},
 }
 
 
@@ -117,6 +120,9 @@ def main() -> int:
     for name in args.variants.split(","):
         spec = dict(VARIANTS[name])
         unshared = spec.pop("unshared", False)
+        from learner import lora_compute
+
+        lora_compute.ACCUMULATE_IN_BASE = spec.pop("accumulate_in_base", True)
         if spec["forward"] == "packed":
             spec["micro_batch"] = args.micro_batch
         cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], **spec}}, "benchmark")

@@ -98,7 +98,7 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
     ({"placement": {"mode": "split", "learner_gpus": 2}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"mode": "split", "learner_gpus": 0}}, "placement.learner_gpus: expected 1"),
     ({"placement": {"critic_own_gpu": True}}, "placement.critic_own_gpu needs placement.mode=split"),
-    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 2}}, "expected rollout.num_engines=1"),
+    ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"num_engines": 8}}, "expected rollout.num_engines at most 4"),
     ({"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}, "rollout": {"tensor_parallel_size": 2}},
      "rollout.tensor_parallel_size=1"),
 ])

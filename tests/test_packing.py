@@ -140,6 +140,48 @@ def test_fused_lora_forward_equals_peft_in_fp32():
             assert torch.allclose(p.grad, q.grad, atol=1e-5), n
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_dense_base_accumulates_onto_the_lora_term_in_place(monkeypatch, bias):
+    """The dense path (the base GEMM adding itself onto the LoRA term) against the earlier order, fp32."""
+    from peft import LoraConfig, get_peft_model
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from learner import lora_compute
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    def run(accumulate):
+        monkeypatch.setattr(lora_compute, "ACCUMULATE_IN_BASE", accumulate)
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 24, bias=bias))
+        model = get_peft_model(net, LoraConfig(r=4, lora_alpha=8, target_modules=["0"], lora_dropout=0.0))
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.5)
+        lora_compute.install(model)
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        with Ops() as ops:
+            y = model(x)
+        (y.sin() * 3).sum().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return y.detach(), x.grad, grads, ops.names
+
+    y0, gx0, g0, ops0 = run(False)
+    y1, gx1, g1, ops1 = run(True)
+    assert "aten.addmm_" in ops1 and "aten.addmm_" not in ops0  # the base GEMM accumulated in place
+    assert y1.shape == y0.shape and torch.allclose(y1, y0, atol=1e-6) and torch.allclose(gx1, gx0, atol=1e-6)
+    assert g0.keys() == g1.keys() and all(torch.allclose(g1[k], g0[k], atol=1e-5) for k in g0)
+    assert all(g1[k].abs().max() > 0 for k in g1)
+
+
 def test_fused_lora_computes_in_bf16_and_keeps_fp32_weights_and_gradients():
     plain, fused = _lora_pair(torch.bfloat16)
     lora = [p for n, p in fused.named_parameters() if "lora_" in n]
