@@ -1,11 +1,12 @@
 """The GRPO learner: fused micro-batched updates of the policy LoRA.
 
 One ``update`` = per micro-batch: policy forward (with grad), reference forward (no grad, frozen
-"reference" adapter; none when ``grpo.kl_beta`` is 0), loss, backward, free; then one clipped optimiser step, skipped when the loss
-or the gradient norm is not finite (clipping does not sanitise NaN: stepping would poison Adam's
-moments and the weights). Micro-batches are packed rows (``learner.packing``: a group's prompt once,
-its responses after it) unless ``learner.forward: padded``. The plan is ``learner.micro_batches``'s,
-the throughput figures ``learner.update_metrics``'s, export and checkpoints ``learner.checkpoint``'s.
+"reference" adapter; none when ``grpo.kl_beta`` is 0), loss, backward, free; then one clipped
+optimiser step, skipped when the loss or the gradient norm is not finite (clipping does not sanitise
+NaN: stepping would poison Adam's moments and the weights). Micro-batches are packed rows
+(``learner.packing``: a group's prompt once, its responses after it) unless ``learner.forward: padded``.
+The plan is ``learner.micro_batches``'s, the throughput figures ``learner.update_metrics``'s, export and
+checkpoints ``learner.checkpoint``'s.
 """
 from __future__ import annotations
 

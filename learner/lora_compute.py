@@ -15,8 +15,9 @@ H200 profile of the 8B update (``benchmarks/results/h200-learner-profile-liger_f
 addmms took 2.5% + 6.8% of the GPU's time for about 2% of the FLOPs. ``ACCUMULATE_IN_BASE = False`` keeps the
 earlier order (the benchmark's A/B).
 
-In fp32 (the CPU path) this is the same arithmetic as PEFT's up to the order of the sums. Layers PEFT would treat
-specially (DoRA and other variants, dropout, a LoRA bias, merged weights, mixed-adapter batches) keep PEFT's own forward.
+In fp32 (the CPU path) this is the same arithmetic as PEFT's up to the order of the sums. Layers PEFT would
+treat specially (DoRA and other variants, dropout, a LoRA bias, merged weights, mixed-adapter batches) keep
+PEFT's own forward.
 """
 from __future__ import annotations
 
