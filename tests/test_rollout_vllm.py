@@ -59,6 +59,18 @@ def test_groups_layout_and_fixed_seed(engine, requests):
     assert [s.response_ids for s in alone] == [s.response_ids for s in a[G:2 * G]]
 
 
+def test_flat_logprobs_give_the_per_token_ones(engine, requests, monkeypatch):
+    """vLLM keeps the sampled logprobs in flat lists (``vllm_compat.flat_logprobs_option``): the samples equal
+    those of the default per-token dicts, to the bit."""
+    assert engine._flat == {"flat_logprobs": True}
+    reqs = requests[3:6]
+    flat = engine.generate(reqs, seed=11)
+    monkeypatch.setattr(engine, "_flat", {})
+    dicts = engine.generate(reqs, seed=11)
+    assert [(s.response_ids, s.logprobs) for s in flat] == [(s.response_ids, s.logprobs) for s in dicts]
+    assert all(s.logprobs and all(x <= 0 for x in s.logprobs) for s in flat)
+
+
 def test_stop_trimming_on_each_stop_id_and_cap(engine, requests):
     stopped = engine.generate(requests, seed=11)
     untrimmed = engine.generate(requests, seed=11, ignore_eos=True)

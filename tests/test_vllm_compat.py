@@ -161,3 +161,22 @@ def test_the_schema_knows_vllms_largest_lora_rank():
 
     assert max(LORA_RANKS) == VLLM_MAX_LORA_RANK
     build_config({"learner": {"lora_r": VLLM_MAX_LORA_RANK + 1}, "rollout": {"lora": "merged"}})  # no LoRA kernels there
+
+
+def test_sampled_logprobs_read_flat_lists_and_per_token_dicts_alike():
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from rollout.vllm_compat import flat_logprobs_option, sampled_logprobs
+
+    assert flat_logprobs_option(vllm.SamplingParams) == {"flat_logprobs": True}
+    assert flat_logprobs_option(object) == {}  # a vLLM without the field: the default dicts
+    ids, lps = [5, 9, 5], [-0.5, -2.25, -0.125]
+    flat = FlatLogprobs()
+    for t, x in zip(ids, lps):
+        flat.append({t: Logprob(logprob=x, rank=1, decoded_token=None)})
+    dicts = [{t: Logprob(logprob=x, rank=1, decoded_token=None)} for t, x in zip(ids, lps)]
+    assert sampled_logprobs(SimpleNamespace(logprobs=flat), ids) == lps
+    assert sampled_logprobs(SimpleNamespace(logprobs=dicts), ids) == lps
+
