@@ -158,7 +158,8 @@ class RolloutConfig(_Section):
     sleep_during_update: Union[Literal["auto"], bool] = "auto"
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
     its micro-batches get the engine's share. auto = on where it was measured to pay: colocated vLLM without
-    grpo.overlap_rollout, more than ``SLEEP_PAYS_ABOVE`` samples a step (benchmarks/RESULTS.md §10)."""
+    grpo.overlap_rollout, more than ``SLEEP_PAYS_ABOVE`` samples a step (benchmarks/RESULTS.md §10) or more than one
+    engine."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -539,10 +540,12 @@ sleep and wake-up; at 64 x 8 the estimate is about even."""
 
 
 def sleep_pays(cfg) -> bool:
-    """``rollout.sleep_during_update: auto`` resolved: a colocated vLLM engine, no overlapped rollout, and a
-    batch above ``SLEEP_PAYS_ABOVE`` samples."""
+    """``rollout.sleep_during_update: auto`` resolved: colocated vLLM, no overlapped rollout, and a batch above
+    ``SLEEP_PAYS_ABOVE`` samples or more than one engine. Two engines hold two copies of the weights through the
+    update: at 64 x 8 that leaves the learner about the 4,096-token budget that made the awake 128 x 8 update
+    30% slower than the asleep one (estimated from those figures, not run)."""
     return (cfg.placement.mode == "colocated" and cfg.rollout.backend == "vllm" and not cfg.grpo.overlap_rollout
-            and cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE)
+            and (cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE or cfg.rollout.num_engines > 1))
 
 
 def critic_rank(critic: CriticConfig) -> int | None:

@@ -123,6 +123,8 @@ def test_each_weight_sync_variant_is_refused_where_it_cannot_run(raw, needle):
 @pytest.mark.parametrize("raw, sleeps", [
     (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), True),     # 1,024 samples: pays
     (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}), False),     # 512: about even, stays awake
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "num_engines": 2}), True),  # two copies
+    ({"grpo": {"prompts_per_step": 64}, "rollout": {"group_size": 8, "num_engines": 2}}, False),  # CPU engines
     (_with(GPU, grpo={"prompts_per_step": 128, "overlap_rollout": True}, rollout={"group_size": 8}), False),
     ({"grpo": {"prompts_per_step": 128}, "rollout": {"group_size": 8}}, False),        # the CPU placement
     (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8, "sleep_during_update": True}), True),
