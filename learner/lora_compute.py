@@ -10,10 +10,10 @@ the update is one fused ``addmm`` into the base output: ``y = base(x) + s·(x A�
 Over a dense base (``nn.Linear``) the order is turned round: the LoRA term first, ``t = (x Aᵀ)(s·B)ᵀ`` (+ the
 bias), then the base GEMM accumulates onto it in place, ``t += x Wᵀ`` (GEMM with beta = 1, the read of ``t``
 inside the GEMM's epilogue). ``addmm(base(x), x Aᵀ, Bᵀ)`` out of place first copies ``base(x)`` into a new
-tensor and then reads and writes it again: two passes over a [tokens, out] tensor per adapted linear. In the
-H200 profile of the 8B update (``benchmarks/results/h200-learner-profile-liger_flex.txt``) those copies and
-addmms took 2.5% + 6.8% of the GPU's time for about 2% of the FLOPs. ``ACCUMULATE_IN_BASE = False`` keeps the
-earlier order (the benchmark's A/B).
+tensor and then reads and writes it again: the output written three times and read twice, against twice and
+once here. In the H200 profile of the 8B update (``benchmarks/results/h200-learner-profile-liger_flex.txt``)
+those copies and addmms took 2.5% + 6.8% of the GPU's time for about 2% of the FLOPs.
+``ACCUMULATE_IN_BASE = False`` keeps the earlier order (the benchmark's A/B).
 
 In fp32 (the CPU path) this is the same arithmetic as PEFT's up to the order of the sums. Layers PEFT would
 treat specially (DoRA and other variants, dropout, a LoRA bias, merged weights, mixed-adapter batches) keep
