@@ -14,6 +14,7 @@ Pure functions over ``Span`` lists; ``spans_from_profiler`` reads them from a ``
 """
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -52,8 +53,18 @@ def idle_gaps(device: list[Span], window: tuple[float, float]) -> list[tuple[flo
     return gaps
 
 
-def _overlap(a: tuple[float, float], s: Span) -> float:
-    return max(0.0, min(a[1], s.end) - max(a[0], s.start))
+def _overlaps(gaps: list[tuple[float, float]], host: list[Span]) -> list[list[tuple[str, float]]]:
+    """Per gap (gaps in time order, disjoint): (host op name, overlap) of each host span that overlaps it. One
+    sweep over both in time order: a trace of a whole update holds 10^5 host spans and 10^4 gaps."""
+    spans = sorted(host, key=lambda s: s.start)
+    out, active, j = [], [], 0
+    for a, b in gaps:
+        while j < len(spans) and spans[j].start < b:
+            active.append(spans[j])
+            j += 1
+        active = [s for s in active if s.end > a]  # later gaps start later still: a span ended here is done
+        out.append([(s.name, min(b, s.end) - max(a, s.start)) for s in active if s.start < b])
+    return out
 
 
 def timeline_report(device: list[Span], host: list[Span], window: tuple[float, float] | None = None,
@@ -70,21 +81,23 @@ def timeline_report(device: list[Span], host: list[Span], window: tuple[float, f
     by_op: dict[str, float] = defaultdict(float)
     listed = []
     starts = sorted(device, key=lambda s: s.start)
-    for gap in sorted(gaps, key=lambda g: g[0] - g[1]):
-        over = [(s.name, _overlap(gap, s)) for s in host if _overlap(gap, s) > 0]
+    start_times = [s.start for s in starts]
+    overlaps = _overlaps(gaps, host)
+    for k in sorted(range(len(gaps)), key=lambda k: gaps[k][0] - gaps[k][1]):  # longest first
+        (a, b), over = gaps[k], overlaps[k]
         total = sum(o for _, o in over)
         for name, o in over:  # the gap shared among the host ops that overlapped it
-            by_op[name] += (gap[1] - gap[0]) * o / total
+            by_op[name] += (b - a) * o / total
         if not over:
-            by_op["(no host op)"] += gap[1] - gap[0]
-        if len(listed) < top and gap[1] - gap[0] >= min_gap_us:
-            ended_by = next((s.name for s in starts if s.start >= gap[1]), None)
+            by_op["(no host op)"] += b - a
+        if len(listed) < top and b - a >= min_gap_us:
+            i = bisect.bisect_left(start_times, b)
             merged: dict[str, float] = defaultdict(float)
             for name, o in over:
                 merged[name] += o
-            listed.append({"at_ms": (gap[0] - window[0]) / 1e3, "ms": (gap[1] - gap[0]) / 1e3,
+            listed.append({"at_ms": (a - window[0]) / 1e3, "ms": (b - a) / 1e3,
                            "host_ops": [n for n, _ in sorted(merged.items(), key=lambda x: -x[1])[:4]],
-                           "ended_by": ended_by})
+                           "ended_by": starts[i].name if i < len(starts) else None})
     return {"window_ms": length / 1e3, "busy_ms": (length - idle) / 1e3, "busy": (length - idle) / length if length else 0.0,
             "idle_ms": idle / 1e3, "gaps": listed,
             "idle_by_op": {k: round(v / 1e3, 3) for k, v in sorted(by_op.items(), key=lambda x: -x[1])[:top]}}

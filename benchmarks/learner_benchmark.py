@@ -43,6 +43,11 @@ VARIANTS = {
     # the earlier LoRA order: base GEMM, then an out-of-place addmm of the LoRA term (learner.lora_compute)
     "liger_flex_addmm": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex",
                          "accumulate_in_base": False},
+    # grpo.kl_beta 0: no reference forward
+    "packed_no_reference": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "sdpa",
+                            "kl_beta": 0.0},
+    "liger_flex_no_reference": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex",
+                                "kl_beta": 0.0},
 }
 
 
@@ -81,6 +86,7 @@ def main() -> int:
     dev = step_benchmark.DEVICE
     import torch
 
+    from learner import lora_compute
     from learner.grpo import group_advantages
     from orchestrator.job import prepare_job
     from learner.learner import Learner
@@ -120,12 +126,11 @@ def main() -> int:
     for name in args.variants.split(","):
         spec = dict(VARIANTS[name])
         unshared = spec.pop("unshared", False)
-        from learner import lora_compute
-
         lora_compute.ACCUMULATE_IN_BASE = spec.pop("accumulate_in_base", True)
         if spec["forward"] == "packed":
             spec["micro_batch"] = args.micro_batch
-        cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], **spec}}, "benchmark")
+        grpo = {**base_cfg["grpo"], **({"kl_beta": spec.pop("kl_beta")} if "kl_beta" in spec else {})}
+        cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], **spec}, "grpo": grpo}, "benchmark")
         learner = Learner(cfg, job.spec, dev)
         vecs = vectors
         if unshared:  # a distinct activation per sample: no two samples share a row

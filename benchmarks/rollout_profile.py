@@ -159,7 +159,8 @@ def main() -> int:
     ap.add_argument("--modes", default="shared,unshared",
                     help="shared (the job's engine), unshared (every sample its own prompt), unseeded (shared, no "
                          "per-request seeds: vLLM then samples the batch in one kernel instead of a loop over requests), "
-                         "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side)")
+                         "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side), "
+                         "dictlogprobs (shared, the logprobs in vLLM's default per-token dicts, not flat lists)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
     args = ap.parse_args()
     import torch
@@ -264,6 +265,10 @@ def main() -> int:
                     unshared(reqs[:n], rep)
                 elif mode == "nologprobs":
                     no_logprobs(reqs[:n], rep)
+                elif mode == "dictlogprobs":  # the job's engine with vLLM's default per-token logprob dicts
+                    flat, engine._flat = engine._flat, {}
+                    engine.generate(reqs[:n], seed=rep, ignore_eos=True)
+                    engine._flat = flat
                 else:
                     raise SystemExit(f"--modes: expected shared, unshared or unseeded, found {mode!r}")
                 sync()

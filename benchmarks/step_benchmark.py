@@ -122,36 +122,52 @@ def sync():
         torch.cuda.synchronize()
 
 
+def _square_operands(n: int):
+    """(dtype, a, b): two random n×n matrices, bf16 on the GPU, float32 on the CPU."""
+    import torch
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    return (dtype, torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen),
+            torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen))
+
+
+def _seconds(fn) -> float:
+    """How long ``fn()``'s work takes: CUDA events around it on the GPU (waited for), the wall clock on the CPU."""
+    import torch
+
+    if DEVICE != "cuda":
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _release():
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
 def gemm_peak(n: int, warmup: int = 3, reps: int = 20) -> dict:
     """Median TFLOP/s of ``reps`` timed n×n×n bf16 ``torch.matmul``s on random data after ``warmup``
     (CUDA events around each); on the CPU a float32 product, only to exercise the code."""
     import torch
 
-    cuda = DEVICE == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    a = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    dtype, a, b = _square_operands(n)
     for _ in range(warmup):
         torch.matmul(a, b)
     sync()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.matmul(a, b)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            torch.matmul(a, b)
-            times.append(time.perf_counter() - t)
+    times = [_seconds(lambda: torch.matmul(a, b)) for _ in range(reps)]
     med = statistics.median(times)
     del a, b
-    if cuda:
-        torch.cuda.empty_cache()
+    _release()
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "reps": reps, "median_s": med,
             "tflops": 2 * n ** 3 / med / 1e12, "tflops_best": 2 * n ** 3 / min(times) / 1e12}
 
@@ -162,32 +178,20 @@ def gemm_sustained(n: int, seconds: float = 10.0, block: int = 20) -> dict:
     load holds it to, beside ``gemm_peak``'s short bursts. On the CPU a few float32 blocks, only to run the code."""
     import torch
 
-    cuda = DEVICE == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    a = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
-    b = torch.randn(n, n, device=DEVICE, dtype=dtype, generator=gen)
+    dtype, a, b = _square_operands(n)
     out = torch.empty_like(a)
+
+    def run_block():
+        for _ in range(block):
+            torch.matmul(a, b, out=out)
+
     rates, t0 = [], time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(block):
-                torch.matmul(a, b, out=out)
-            end.record()
-            end.synchronize()
-            dt = start.elapsed_time(end) / 1e3
-        else:
-            t = time.perf_counter()
-            for _ in range(block):
-                torch.matmul(a, b, out=out)
-            dt = time.perf_counter() - t
+        dt = _seconds(run_block)
         rates.append((time.perf_counter() - t0, 2 * n ** 3 * block / dt / 1e12))
     late = [r for t, r in rates if t >= seconds / 2] or [rates[-1][1]]
     del a, b, out
-    if cuda:
-        torch.cuda.empty_cache()
+    _release()
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "seconds": seconds, "blocks": len(rates),
             "tflops": statistics.median(late), "tflops_first_block": rates[0][1]}
 

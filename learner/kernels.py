@@ -26,6 +26,7 @@ import torch
 _EAGER_ROPE: dict = {}  # family -> transformers' own apply_rotary_pos_emb, while liger's is installed
 
 KINDS = ("auto", "none", "liger", "compile")
+FUSED = ("liger", "compile")  # the kinds whose norms and SwiGLU keep less for backward (learner.memory_plan)
 LIGER_FAMILIES = ("qwen3", "qwen2", "llama")  # the families whose liger patch keeps the packed forward's maths
 
 
@@ -45,16 +46,19 @@ def install(model, kind: str) -> None:
     """Apply resolved ``kind`` to the PEFT ``model`` (in place)."""
     base = model.get_base_model()
     family = base.config.model_type
+
+    def modelling():
+        return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
     if kind != "liger" and family in _EAGER_ROPE:  # liger's RoPE from an earlier model in this process
-        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        module.apply_rotary_pos_emb = _EAGER_ROPE.pop(family)
+        modelling().apply_rotary_pos_emb = _EAGER_ROPE.pop(family)
     if kind == "liger":
         if family not in LIGER_FAMILIES:
             raise ValueError(f"learner.kernels=liger: no liger patch for model type {family!r} "
                              f"(supported: {', '.join(LIGER_FAMILIES)}); use compile or none")
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
 
-        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        module = modelling()
         before = dict(vars(module))
         # the LM head keeps this project's chunked logprobs: no fused cross-entropy
         _apply_liger_kernel_to_instance(base, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,

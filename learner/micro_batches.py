@@ -69,6 +69,7 @@ class MicroBatches:
         if self.cfg.learner.micro_batch != "auto":
             return None
         if self.budget is None:
+            from learner import kernels
             from learner.memory_plan import plan_tokens
             from learner.token_logprobs import CHUNK_BYTES
 
@@ -82,7 +83,7 @@ class MicroBatches:
                 reserve += 2 * sum(p.numel() * p.element_size() for p in params)
             budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
                                  self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
-                                 fused=self.policy.kernels in ("liger", "compile"))
+                                 fused=self.policy.kernels in kernels.FUSED)
             # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
             self.budget = int(self.dp.min_value(budget, self.device))
         return self.budget

