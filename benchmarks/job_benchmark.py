@@ -57,7 +57,8 @@ def job_config(root: Path, args) -> dict:
                     "num_engines": args.engines},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
-                    "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules},
+                    "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules,
+                    "attention": args.attention},
         "grpo": {"steps": args.steps, "prompts_per_step": args.prompts, "overlap_rollout": args.overlap,
                  "tis_cap": args.tis_cap},
         "placement": {"mode": args.placement, "learner_gpus": 1},
@@ -80,6 +81,8 @@ CHOICES = [
     ("--quantization", ["none", "nf4"], "none",
      "model.quantization (nf4: every service's base in bitsandbytes NF4; vLLM in flight, or dequantised with --lora merged)"),
     ("--lora", ["adapter", "merged"], "adapter", "rollout.lora (merged: the adapter folded into vLLM's weights at each push)"),
+    ("--attention", ["auto", "sdpa", "flex", "varlen"], "auto",
+     "learner.attention (auto: flex on a GPU; varlen: flash-attention's variable-length kernel, a segment per response)"),
     ("--engine-core", ["in_actor", "own_process"], "in_actor",
      "rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own"),
 ]
@@ -131,7 +134,7 @@ def main() -> int:
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
            + ("-fp32-modules" if args.nf4_fp32_modules else "")
            + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "")
-           + (f"-{args.engines}engines" if args.engines > 1 else ""))
+           + (f"-{args.engines}engines" if args.engines > 1 else "") + ("" if args.attention == "auto" else f"-{args.attention}"))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"

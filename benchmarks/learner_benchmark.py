@@ -40,6 +40,9 @@ VARIANTS = {
     # learner.attention: flex, FlexAttention's block mask instead of the dense one
     "flex": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "flex"},
     "liger_flex": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex"},
+    # learner.attention: varlen, flash-attention's variable-length kernel, a segment per response
+    "varlen": {"forward": "packed", "micro_batch": "auto", "kernels": "none", "attention": "varlen"},
+    "liger_varlen": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "varlen"},
     # the earlier LoRA order: base GEMM, then an out-of-place addmm of the LoRA term (learner.lora_compute)
     "liger_flex_addmm": {"forward": "packed", "micro_batch": "auto", "kernels": "liger", "attention": "flex",
                          "accumulate_in_base": False},

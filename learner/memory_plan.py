@@ -18,7 +18,8 @@ CPU_MAX_TOKENS = 16384  # the CPU path: a fixed cap, so runs do not depend on th
 
 
 def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
-                               head_dim: int, lora_r: int, elem_bytes: int, checkpointing: bool, fused: bool = False) -> int:
+                               head_dim: int, lora_r: int, elem_bytes: int, checkpointing: bool, fused: bool = False,
+                               gathered_kv: bool = False) -> int:
     """Bytes that backward keeps alive per token of a policy micro-batch (before the safety factor).
 
     ``fused`` (``learner.kernels`` liger or compile): each norm keeps its input alone, not its fp32
@@ -26,11 +27,17 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
     norms' inputs and outputs (4 h; the outputs are the LoRA inputs), the q/k norms' inputs, the attention's
     q, k, v, output and the output's copy for o_proj (4 H·d + 3 kv·d), gate, up and down's input (3 I), and
     the seven LoRA ranks. The H200 run of RESULTS.md §11 (8B shape, liger + flex, 10,752 tokens; 72.3 GiB at the
-    peak, about 23 GB of it weights, adapters and optimiser state) kept at most about 0.95 of that count."""
+    peak, about 23 GB of it weights, adapters and optimiser state) kept at most about 0.95 of that count.
+
+    ``gathered_kv`` (``learner.attention`` varlen): the kernel keeps the gathered keys and values, where a prompt
+    key appears once per segment reading it. At 64 x 8 a row's gathered keys are about 2x its tokens; counted
+    as 2 kv·d more per token (1.4% of the fused count at the 8B shape)."""
     if fused:
         per_layer = 4 * hidden + 4 * heads * head_dim + 3 * kv_heads * head_dim + 3 * intermediate + 7 * lora_r
     else:
         per_layer = 4 * hidden + 6 * heads * head_dim + 3 * kv_heads * head_dim + 4 * intermediate + 7 * lora_r
+    if gathered_kv:
+        per_layer += 2 * kv_heads * head_dim
     if checkpointing:
         return (layers * hidden + per_layer) * elem_bytes
     return layers * per_layer * elem_bytes
@@ -55,7 +62,7 @@ def free_bytes(device) -> int:
 
 
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
-                reserve_bytes: int = 0, fused: bool = False) -> int:
+                reserve_bytes: int = 0, fused: bool = False, gathered_kv: bool = False) -> int:
     """The micro-batch token budget for this model on ``device`` now."""
     import torch
 
@@ -64,6 +71,6 @@ def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool,
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     per_token = activation_bytes_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
                                            getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
-                                           elem_bytes, checkpointing, fused)
+                                           elem_bytes, checkpointing, fused, gathered_kv)
     budget = token_budget(free_bytes(device), per_token, reserve_bytes)
     return budget if torch.device(device).type == "cuda" else min(budget, CPU_MAX_TOKENS)

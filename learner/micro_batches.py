@@ -83,7 +83,8 @@ class MicroBatches:
                 reserve += 2 * sum(p.numel() * p.element_size() for p in params)
             budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
                                  self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
-                                 fused=self.policy.kernels in kernels.FUSED)
+                                 fused=self.policy.kernels in kernels.FUSED,
+                                 gathered_kv=self.policy.attention == "varlen")
             # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
             self.budget = int(self.dp.min_value(budget, self.device))
         return self.budget
@@ -110,7 +111,7 @@ class MicroBatches:
             def packed(group):
                 def build():
                     batch = pack(group, responses, self.policy.pad_id, self.device,
-                                 dense_mask=self.policy.attention != "flex")
+                                 dense_mask=self.policy.attention == "sdpa", varlen=self.policy.attention == "varlen")
                     return batch.members, batch
                 return sum(r.length for r in group), build
 

@@ -69,6 +69,6 @@ def resolve(kind: str, device: torch.device, packed: bool) -> str:
     """``learner.attention`` on ``device``: ``auto`` = flex for the packed forward on a GPU, sdpa elsewhere."""
     if kind == "auto":
         return "flex" if packed and device.type == "cuda" else "sdpa"
-    if kind == "flex" and not packed:
-        raise ValueError("learner.attention=flex: the block mask is built for packed rows; set learner.forward: packed")
+    if kind in ("flex", "varlen") and not packed:
+        raise ValueError(f"learner.attention={kind}: it reads the packed rows' segments; set learner.forward: packed")
     return kind

@@ -54,6 +54,7 @@ class PackedBatch:
     members: list[int]
     tokens: int  # logical tokens (Σ prompt + response over samples), what an unpacked forward would process
     processed: int  # tokens actually in the rows (without padding)
+    varlen: object = None  # learner.varlen_attention.VarlenLayout (learner.attention varlen), on the device
 
 
 def _key(prompt_ids, site, vector: torch.Tensor):
@@ -121,9 +122,11 @@ def segment_mask(segments: torch.Tensor) -> torch.Tensor:
     return allowed.unsqueeze(1)
 
 
-def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device, dense_mask: bool = True) -> PackedBatch:
+def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device, dense_mask: bool = True,
+         varlen: bool = False) -> PackedBatch:
     """The tensors of one micro-batch of ``rows``; ``responses[i]`` is item i's response ids. ``dense_mask``:
-    build the ``[R, 1, L, L]`` mask (not needed by ``learner.packed_attention``, which reads the segments)."""
+    build the ``[R, 1, L, L]`` mask (not needed by ``learner.packed_attention``, which reads the segments);
+    ``varlen``: build the rows' variable-length segments (``learner.varlen_attention``), here on the host."""
     R = len(rows)
     L = _aligned(max(r.length for r in rows))
     ids = torch.full((R, L), pad_id, dtype=torch.long)
@@ -159,7 +162,14 @@ def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device, dense
         response_lens=torch.tensor(lens, dtype=torch.long, device=device), members=members,
         tokens=sum(len(row.prompt_ids) * len(row.members) + sum(row.response_lens) for row in rows),
         processed=sum(row.length for row in rows),
+        varlen=_varlen_layout(seg, device) if varlen else None,
     )
+
+
+def _varlen_layout(segments: torch.Tensor, device):
+    from learner.varlen_attention import layout
+
+    return layout(segments).to(device)
 
 
 def unpack_tokens(values: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:

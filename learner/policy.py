@@ -252,6 +252,10 @@ class Policy:
         self.attention = packed_attention.resolve(self.cfg.learner.attention, self.device, self.packed)
         if self.attention == "flex":
             config._attn_implementation = packed_attention.register()
+        elif self.attention == "varlen":
+            from learner import varlen_attention
+
+            config._attn_implementation = varlen_attention.register()
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return list(adapter_parameters(self.model, POLICY).values())
@@ -318,6 +322,12 @@ class Policy:
             dtype = self.model.get_input_embeddings().weight.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
         common = dict(attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
+        if self.attention == "varlen":
+            from learner.varlen_attention import KWARG
+
+            if batch.varlen is None:
+                raise RuntimeError("learner.attention varlen: the micro-batch was packed without its layout")
+            common[KWARG] = batch.varlen  # no mask: the decoder hands the layout on to every attention call
         if self.mode == "embed":
             embeds = embed_batch(batch.input_ids, self.model.get_input_embeddings(), batch.sites, batch.vectors, self.scale)
             hidden = lm.get_decoder()(inputs_embeds=embeds, **common).last_hidden_state

@@ -219,9 +219,11 @@ class LearnerConfig(_Section):
     LM-head logprobs; padded: PEFT's own LoRA on right-padded rows, full-vocabulary log-softmax (the old path)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward (injection stays set)."""
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
+    attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     """Attention of the packed rows: flex = FlexAttention with a block mask from the rows' segments (no dense
-    L x L mask; learner/packed_attention.py); sdpa = a dense 4-D mask; auto = flex on a GPU, sdpa on the CPU."""
+    L x L mask; learner/packed_attention.py); varlen = flash-attention's variable-length kernel, each response a
+    segment reading the prompt's keys and its own (learner/varlen_attention.py; bf16/fp16 on a GPU, a slower
+    per-segment SDPA on the CPU); sdpa = a dense 4-D mask; auto = flex on a GPU, sdpa on the CPU."""
     kernels: Literal["auto", "none", "liger", "compile"] = "auto"
     """Fused decoder kernels (learner/kernels.py): liger = liger-kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA);
     compile = each decoder layer torch.compiled; none = eager; auto = liger on a GPU where it is installed, else none."""
@@ -602,6 +604,15 @@ def flex_attention_needs_gpus_and_packed_rows(cfg):
                 "attention sdpa (or auto)")
     if cfg.learner.attention == "flex" and cfg.learner.forward != "packed":
         return "learner.attention=flex: the block mask is built for packed rows; set learner.forward: packed"
+
+
+@_rule
+def varlen_attention_runs_packed_16_bit_rows(cfg):
+    if cfg.learner.attention == "varlen" and cfg.learner.forward != "packed":
+        return "learner.attention=varlen: it reads the packed rows' segments; set learner.forward: packed"
+    if cfg.learner.attention == "varlen" and _on_gpu(cfg) and cfg.model.dtype == "float32":
+        return ("learner.attention=varlen: flash-attention's kernel runs bfloat16 or float16, found model.dtype=float32; "
+                "use bfloat16, or attention flex")
 
 
 @_rule

@@ -23,6 +23,8 @@ CASES = {
     "nf4_needs_gpus": {"model": {"quantization": "nf4"}},
     "liger_kernels_need_gpus": {"learner": {"kernels": "liger"}},
     "flex_attention_needs_gpus_and_packed_rows": {"learner": {"attention": "flex"}},
+    "varlen_attention_runs_packed_16_bit_rows": _with(GPU, model={"dtype": "float32"}, rollout={"backend": "hf"},
+                                                     learner={"attention": "varlen"}),
     "nf4_computes_in_16_bits": _with(GPU, model={"quantization": "nf4", "dtype": "float32"}, rollout={"backend": "hf"}),
     "nf4_critic_trains_a_lora": _with(GPU, model={"quantization": "nf4"}, critic={"train": True, "lora_r": 0}),
     "engine_base_comes_from_the_model_section": {"rollout": {"engine_options": {"dtype": "half"}}},

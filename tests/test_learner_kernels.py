@@ -16,9 +16,9 @@ def rollouts(tiny_dir):
     return {mode: sample_responses(tiny_dir, mode, n_prompts=3, group=4, max_new=7) for mode in MODES}
 
 
-def _gradients(tiny_dir, rollouts, mode, device="cpu", **learner):
+def _gradients(tiny_dir, rollouts, mode, device="cpu", dtype="float32", **learner):
     samples, vectors = rollouts[mode]
-    cfg = make_cfg(tiny_dir, mode, "cpu" if device == "cpu" else "colocated", lr=1e-2, mismatch_mask_k3=1e6,
+    cfg = make_cfg(tiny_dir, mode, "cpu" if device == "cpu" else "colocated", dtype=dtype, lr=1e-2, mismatch_mask_k3=1e6,
                    micro_batch=8, **learner)
     model = Learner(cfg, load_tiny_spec(tiny_dir), device)
     model.update(samples, _adv(len(samples)), vectors)  # off the initial adapter: LoRA B != 0

@@ -74,14 +74,16 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
     assert fresh.micro_batch_tokens == 4096
 
 
-@pytest.mark.parametrize("kernels,fused", [("none", False), ("compile", True)])
-def test_the_auto_budget_counts_what_the_kernels_keep(tiny_dir, monkeypatch, kernels, fused):
+@pytest.mark.parametrize("kernels,attention,counted", [("none", "sdpa", (False, False)), ("compile", "sdpa", (True, False)),
+                                                     ("none", "varlen", (False, True))])
+def test_the_auto_budget_counts_what_the_kernels_keep(tiny_dir, monkeypatch, kernels, attention, counted):
     from learner import memory_plan
 
     seen = []
-    monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append(k["fused"]) or 4096)
-    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", kernels=kernels), load_tiny_spec(tiny_dir))
-    assert learner.micro_batches.token_budget(learner.params, learner.optimizer) == 4096 and seen == [fused]
+    monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append((k["fused"], k["gathered_kv"])) or 4096)
+    learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", kernels=kernels, attention=attention),
+                      load_tiny_spec(tiny_dir))
+    assert learner.micro_batches.token_budget(learner.params, learner.optimizer) == 4096 and seen == [counted]
 
 
 def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):

@@ -11,7 +11,7 @@ import torch
 from shared.types import Sample
 
 
-def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", **learner):
+def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", *, dtype: str = "float32", **learner):
     from shared.config import build_config
 
     raw = {
@@ -19,7 +19,7 @@ def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", **learner):
         # a learner-only GPU test: vLLM (not started) would refuse the fp32 fixture
         **({"rollout": {"backend": "hf"}} if placement != "cpu" else {}),
         "seed": 0,
-        "model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
+        "model": {"path": str(tiny_dir / "model"), "dtype": dtype},
         "data": {"parquet": str(tiny_dir / "rl.parquet")},
         "injection": {"mode": mode},
         "learner": {"lora_r": 8, "lora_alpha": 16, "micro_batch": 4, "lr": 1e-3, "optimizer": "adamw", **learner},

@@ -202,6 +202,9 @@ def test_memory_plan():
     # fused kernels (liger, compile): no fp32 norm intermediates, no SiLU output kept
     fused = activation_bytes_per_token(4096, 12288, 36, 32, 8, 128, 128, 2, False, fused=True)
     assert fused == 36 * 2 * (4 * 4096 + 4 * 4096 + 3 * 1024 + 3 * 12288 + 7 * 128) and 0.7 * per < fused < 0.8 * per
+    # varlen attention keeps the gathered keys and values: a prompt's once per segment reading them
+    gathered = activation_bytes_per_token(4096, 12288, 36, 32, 8, 128, 128, 2, False, fused=True, gathered_kv=True)
+    assert gathered - fused == 36 * 2 * 2 * 1024
     budget = token_budget(60 * 2**30, per, reserve_bytes=4 * 2**30)
     assert budget % QUANTUM == 0 and budget * 1.5 * per <= 0.9 * 56 * 2**30
     assert token_budget(60 * 2**30 + 2**20, per, 4 * 2**30) == budget  # a little jitter changes nothing
