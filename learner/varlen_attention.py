@@ -155,14 +155,17 @@ def uses_kernel(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 
 
-def attend(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.Tensor:
-    """Attention of flat ``q[R·L, H, D]`` over the layout's segments of flat ``k, v[R·L, H_kv, D]``."""
-    k, v = gather_keys(k, lay), gather_keys(v, lay)
-    if not uses_kernel(q):
-        return reference(q, k, v, lay, scale)
+def flash(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.Tensor:
+    """The layout's attention by flash-attention's varlen kernel: ``q[T_q, H, D]``, gathered ``k, v[T_k, H_kv, D]``."""
     fn, causal, takes_gqa = _kernel()
     extra = {"enable_gqa": True} if takes_gqa and q.shape[1] != k.shape[1] else {}
     return fn(q, k, v, lay.cu_q, lay.cu_k, lay.max_q, lay.max_k, scale=scale, **causal, **extra)
+
+
+def attend(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.Tensor:
+    """Attention of flat ``q[R·L, H, D]`` over the layout's segments of flat ``k, v[R·L, H_kv, D]``."""
+    k, v = gather_keys(k, lay), gather_keys(v, lay)
+    return (flash if uses_kernel(q) else reference)(q, k, v, lay, scale)
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):
