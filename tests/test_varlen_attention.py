@@ -125,12 +125,14 @@ def test_packing_builds_the_layout_only_when_asked():
     assert torch.equal(both.varlen.k_index, layout(both.segments).k_index)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_varlen_attention_gives_the_dense_masks_gradients_through_the_learner(tiny_dir, rollouts, mode):  # noqa: F811
+@pytest.mark.parametrize("mode,checkpointing", [("embed", False), ("karvonen", False), ("embed", True)])
+def test_varlen_attention_gives_the_dense_masks_gradients_through_the_learner(tiny_dir, rollouts, mode,  # noqa: F811
+                                                                              checkpointing):
     """The whole packed update on the CPU in fp32: the layout's attention (through SDPA per segment here) against
-    the dense 4-D mask."""
+    the dense 4-D mask; with gradient checkpointing the layout reaches the layers recomputed in backward too."""
     _, want, s_want = _gradients(tiny_dir, rollouts, mode, kernels="none", attention="sdpa")
-    model, got, s_got = _gradients(tiny_dir, rollouts, mode, kernels="none", attention="varlen")
+    model, got, s_got = _gradients(tiny_dir, rollouts, mode, kernels="none", attention="varlen",
+                                   gradient_checkpointing=checkpointing)
     assert model.policy.attention == "varlen"
     assert all(want[k].abs().max() > 0 for k in want)
     assert max((got[k] - want[k]).abs().max().item() for k in want) <= 1e-5
