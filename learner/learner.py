@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from learner import checkpoint
+from learner.lora_compute import reusing_casts
 from learner.grpo import grpo_loss, logprob_mismatch, pad_rows, ragged_mismatch, tis_weights
 from learner.micro_batches import Item, MicroBatches, items_from
 from learner.policy import POLICY, REFERENCE, Policy
@@ -77,12 +78,13 @@ class Learner:
         was_training = self.model.training
         self.model.eval()
         try:
-            for idx, batch in self._micro_batches(items, mine):
-                with self.policy.injecting(batch), self.policy.using(adapter):
-                    logp, _ = self.policy.forward_logprobs(batch)
-                self.executed += executed_tokens(batch)
-                for r, i in enumerate(idx):
-                    out[i] = logp[r, : len(items[i].response_ids)].cpu()
+            with reusing_casts():  # the adapter's bf16 casts made once for every micro-batch (lora_compute)
+                for idx, batch in self._micro_batches(items, mine):
+                    with self.policy.injecting(batch), self.policy.using(adapter):
+                        logp, _ = self.policy.forward_logprobs(batch)
+                    self.executed += executed_tokens(batch)
+                    for r, i in enumerate(idx):
+                        out[i] = logp[r, : len(items[i].response_ids)].cpu()
         finally:
             self.model.train(was_training)
         return out
@@ -190,6 +192,10 @@ class Learner:
         ``ppo_epochs > 1`` they are recomputed by the learner first and that many steps are taken.
         Samples whose mismatch k3 exceeds ``mismatch_mask_k3`` are left out of the loss.
         """
+        with reusing_casts():  # the adapters' casts made once per weight version, not per micro-batch (lora_compute)
+            return self._update(samples, advantages, vectors)
+
+    def _update(self, samples, advantages, vectors) -> dict:
         items = items_from(samples, vectors, advantages)
         epochs = self.cfg.learner.ppo_epochs
         _sync(self.device)

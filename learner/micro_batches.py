@@ -78,6 +78,8 @@ class MicroBatches:
             # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
             # needs a few chunks of fp32 logits besides the activations
             reserve = 0 if optimizer.state else 3 * sum(p.numel() * p.element_size() for p in params)
+            # the policy's and the reference's adapter cast to the model dtype, held through the update (lora_compute)
+            reserve += 2 * sum(p.numel() for p in params) * elem
             # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
             if self.dp.world_size > 1:
                 reserve += 2 * sum(p.numel() * p.element_size() for p in params)

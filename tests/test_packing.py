@@ -1,4 +1,6 @@
 """Shared-prefix packing, the chunked LM-head logprobs, the fused LoRA forward and the memory plan: pure pieces."""
+import contextlib
+
 import pytest
 import torch
 
@@ -192,6 +194,61 @@ def test_fused_lora_computes_in_bf16_and_keeps_fp32_weights_and_gradients():
     assert (y.float() - plain(x).float()).abs().max() < 0.05  # the same function, rounded in bf16
     y.float().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lora)
+
+
+class _Ops:
+    """Counts the aten ops dispatched inside it."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                outer.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode()
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+def test_reused_casts_give_every_micro_batch_the_same_gradients_with_fewer_ops():
+    """bf16 activations over fp32 adapter weights: two micro-batches' backward through the casts made once add up
+    to the gradients of casts made per forward; an optimiser step (an in-place change) makes new casts; a cast
+    made without gradients never serves a forward with them."""
+    from learner import lora_compute
+
+    def run(reuse):
+        _, fused = _lora_pair(torch.bfloat16)
+        lora = {n: p for n, p in fused.named_parameters() if "lora_" in n}
+        xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(k)).bfloat16() for k in range(3)]
+        ops, outs = [], []
+        with lora_compute.reusing_casts() if reuse else contextlib.nullcontext():
+            with torch.no_grad():
+                outs.append(fused(xs[2]))  # scoring first: its casts must not be taken below
+            for x in xs[:2]:
+                with _Ops() as count:
+                    y = fused(x)
+                ops.append(count.n)
+                (y.float() ** 2).sum().backward()
+            grads = {n: p.grad.clone() for n, p in lora.items()}
+            with torch.no_grad():
+                for p in lora.values():
+                    p.add_(0.25)  # what an optimiser step does: in place
+            outs.append(fused(xs[0]).detach())
+        return grads, ops, outs
+
+    want, ops_plain, outs_plain = run(False)
+    got, ops_reused, outs_reused = run(True)
+    assert want.keys() == got.keys() and all(want[k].abs().max() > 0 for k in want)
+    assert all(torch.equal(got[k], want[k]) for k in want)  # the same arithmetic, to the bit
+    assert all(torch.equal(a, b) for a, b in zip(outs_reused, outs_plain))  # the step's new weights are used
+    assert ops_reused[1] < ops_plain[1] and ops_reused[1] < ops_reused[0]  # the second micro-batch casts nothing
 
 
 def test_memory_plan():
