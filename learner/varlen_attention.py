@@ -165,7 +165,18 @@ def flash(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.Tenso
 def attend(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.Tensor:
     """Attention of flat ``q[R·L, H, D]`` over the layout's segments of flat ``k, v[R·L, H_kv, D]``."""
     k, v = gather_keys(k, lay), gather_keys(v, lay)
-    return (flash if uses_kernel(q) else reference)(q, k, v, lay, scale)
+    if uses_kernel(q):
+        return flash(q, k, v, lay, scale)
+    if q.is_cuda and not _WARNED:
+        import warnings
+
+        _WARNED.append(True)
+        warnings.warn(f"learner.attention varlen: {q.dtype} activations on the GPU run the per-segment SDPA fallback, "
+                      "not flash-attention's kernel (bfloat16/float16 only)", RuntimeWarning)
+    return reference(q, k, v, lay, scale)
+
+
+_WARNED: list = []
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout: float = 0.0, **kwargs):

@@ -613,6 +613,9 @@ def varlen_attention_runs_packed_16_bit_rows(cfg):
     if cfg.learner.attention == "varlen" and _on_gpu(cfg) and cfg.model.dtype == "float32":
         return ("learner.attention=varlen: flash-attention's kernel runs bfloat16 or float16, found model.dtype=float32; "
                 "use bfloat16, or attention flex")
+    if cfg.learner.attention == "varlen" and _on_gpu(cfg) and cfg.model.quantization != "none" and cfg.learner.nf4_fp32_modules:
+        return ("learner.attention=varlen: learner.nf4_fp32_modules makes the attention's inputs float32, which "
+                "flash-attention's kernel does not run; set nf4_fp32_modules false, or attention flex")
 
 
 @_rule

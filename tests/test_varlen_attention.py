@@ -147,6 +147,10 @@ def test_varlen_on_a_gpu_in_fp32_or_unpacked_is_refused_in_one_line(tiny_dir):
     with pytest.raises(NlaInputError, match="varlen: flash-attention's kernel runs bfloat16 or float16, found model.dtype=float32"):
         build_config({**base, "placement": {"mode": "colocated"}, "rollout": {"backend": "hf"},
                       "learner": {"attention": "varlen"}}, "job.yaml")
+    with pytest.raises(NlaInputError, match="varlen: learner.nf4_fp32_modules makes the attention's inputs float32"):
+        build_config({**base, "model": {**base["model"], "dtype": "bfloat16", "quantization": "nf4"},
+                      "placement": {"mode": "colocated"}, "learner": {"attention": "varlen", "nf4_fp32_modules": True}},
+                     "job.yaml")
     with pytest.raises(NlaInputError, match="varlen: it reads the packed rows' segments; set learner.forward: packed"):
         build_config({**base, "learner": {"attention": "varlen", "forward": "padded"}}, "job.yaml")
     build_config({**base, "learner": {"attention": "varlen"}}, "job.yaml")  # the CPU runs the layout through SDPA
