@@ -17,7 +17,8 @@ head, 39 blocks = 639k computed). FlexAttention's backward took 11% of the H200 
 
 The queries stay where they are (``[R·L, H, D]``, a view of the projections); only keys and values are
 gathered, each prompt key once per segment that reads it. The gather's backward sums a prompt key's
-copies in a fixed order (``_GatherRows``), so the gradient is deterministic, unlike an atomic scatter-add.
+copies in a fixed order (``_GatherRows``): it adds no run-to-run variation of its own, as an atomic scatter-add
+would (the kernel's backward is flash-attention's, deterministic under ``torch.use_deterministic_algorithms``).
 
 The kernel runs CUDA bf16/fp16. Anywhere else (the CPU, fp32) the same layout runs through SDPA one
 segment at a time: the same maths, which the CPU tests certify against the dense mask.
