@@ -48,8 +48,10 @@ class VarlenLayout:
     shared_rows: torch.Tensor  # int64 [S, m]: every gathered row of each, padded with T_k (a zero row)
 
     def to(self, device) -> "VarlenLayout":
-        return VarlenLayout(**{f.name: (v.to(device, non_blocking=True) if isinstance(v := getattr(self, f.name), torch.Tensor)
-                                        else v) for f in fields(self)})
+        def move(v):
+            return v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+
+        return VarlenLayout(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
 def layout(segments: torch.Tensor) -> VarlenLayout:
@@ -123,7 +125,8 @@ def reference(q, k, v, lay: VarlenLayout, scale: float | None = None) -> torch.T
     groups = q.shape[1] // k.shape[1]
     outs = []
     for n in range(len(cu_q) - 1):
-        qs, ks, vs = (t.transpose(0, 1) for t in (q[cu_q[n]:cu_q[n + 1]], k[cu_k[n]:cu_k[n + 1]], v[cu_k[n]:cu_k[n + 1]]))
+        keys = slice(cu_k[n], cu_k[n + 1])
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[cu_q[n]:cu_q[n + 1]], k[keys], v[keys]))
         lq, lk = qs.shape[1], ks.shape[1]
         allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)  # bottom-right causal
         if groups > 1:

@@ -143,8 +143,10 @@ def test_varlen_on_a_gpu_in_fp32_or_unpacked_is_refused_in_one_line(tiny_dir):
     from shared.config import build_config
     from shared.errors import NlaInputError
 
-    base = {"model": {"path": str(tiny_dir / "model"), "dtype": "float32"}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}
-    with pytest.raises(NlaInputError, match="varlen: flash-attention's kernel runs bfloat16 or float16, found model.dtype=float32"):
+    base = {"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
+            "data": {"parquet": str(tiny_dir / "rl.parquet")}}
+    with pytest.raises(NlaInputError, match="varlen: flash-attention's kernel runs bfloat16 or float16, "
+                                            "found model.dtype=float32"):
         build_config({**base, "placement": {"mode": "colocated"}, "rollout": {"backend": "hf"},
                       "learner": {"attention": "varlen"}}, "job.yaml")
     with pytest.raises(NlaInputError, match="varlen: learner.nf4_fp32_modules makes the attention's inputs float32"):
@@ -189,11 +191,12 @@ def test_the_kernel_computes_the_layouts_attention_on_the_gpu(heads, kv_heads):
 @pytest.mark.parametrize("mode", MODES)
 def test_varlen_attention_trains_like_the_dense_mask_on_the_gpu(tiny_dir, rollouts, mode):  # noqa: F811
     """The packed update in bf16, flash-attention's varlen kernel against the dense mask: the gradients agree to
-    bf16 rounding (cosine), the losses to 1e-3."""
-    _, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none", attention="sdpa", dtype="bfloat16")
-    model, got, s_got = _gradients(tiny_dir, rollouts, mode, "cuda", kernels="none", attention="varlen", dtype="bfloat16")
+    bf16 rounding (cosine), the losses (0.14 and 0.21 in fp32) to 1%."""
+    gpu = dict(kernels="none", dtype="bfloat16")
+    _, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", attention="sdpa", **gpu)
+    model, got, s_got = _gradients(tiny_dir, rollouts, mode, "cuda", attention="varlen", **gpu)
     assert model.policy.attention == "varlen"
     for k in want:
         cos = torch.nn.functional.cosine_similarity(got[k].float().flatten(), want[k].float().flatten(), dim=0)
         assert cos.item() >= 0.999, k
-    assert s_got["loss"] == pytest.approx(s_want["loss"], abs=1e-3)
+    assert s_got["loss"] == pytest.approx(s_want["loss"], rel=1e-2)
