@@ -5,6 +5,9 @@
 # first run that is not green. Each run's JUnit XML (per-test times) and log go to OUT_DIR.
 #
 #   bash benchmarks/gpu_checks.sh [RUNS] [OUT_DIR]        # defaults: 3, /tmp/nla-gpu-checks
+#
+# The whole file takes 9-13 minutes on an H200, longer than one device call may run: PYTEST_ARGS passes a
+# selection on, e.g. PYTEST_ARGS='-k job' and PYTEST_ARGS='-k "not job"' in two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-3}
@@ -15,9 +18,11 @@ mkdir -p "$out"
 "$py" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu-checks: installing the package failed"; exit 2; }
 "$py" -c "from rollout.vllm_plugin import registered; assert registered()" 2>/dev/null \
   || { echo "gpu-checks: vLLM does not see this package's plugin (entry point vllm.general_plugins) after the install"; exit 2; }
+eval "select=(${PYTEST_ARGS:-})"  # shell words, so a quoted -k expression stays one argument
 for i in $(seq 1 "$runs"); do
   t0=$(date +%s)
-  PYTHONUNBUFFERED=1 "$py" -m pytest tests/test_gpu.py -v -s -p no:cacheprovider --junitxml="$out/run$i.xml" > "$out/run$i.log" 2>&1
+  PYTHONUNBUFFERED=1 "$py" -m pytest tests/test_gpu.py "${select[@]}" -v -s -p no:cacheprovider \
+    --junitxml="$out/run$i.xml" > "$out/run$i.log" 2>&1
   rc=$?
   echo "gpu-checks: run $i of $runs: exit $rc in $(( $(date +%s) - t0 )) s; $(grep -E '^=+ .*(passed|failed).* =+$' "$out/run$i.log" | tail -1 | tr -d '=')"
   [ "$rc" = 0 ] || { echo "gpu-checks: run $i is not green; its log: $out/run$i.log"; exit 1; }
