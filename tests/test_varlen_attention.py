@@ -189,14 +189,22 @@ def test_the_kernel_computes_the_layouts_attention_on_the_gpu(heads, kv_heads):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", MODES)
-def test_varlen_attention_trains_like_the_dense_mask_on_the_gpu(tiny_dir, rollouts, mode):  # noqa: F811
-    """The packed update in bf16, flash-attention's varlen kernel against the dense mask: the gradients agree to
-    bf16 rounding (cosine), the losses (0.14 and 0.21 in fp32) to 1%."""
-    gpu = dict(kernels="none", dtype="bfloat16")
-    _, want, s_want = _gradients(tiny_dir, rollouts, mode, "cuda", attention="sdpa", **gpu)
-    model, got, s_got = _gradients(tiny_dir, rollouts, mode, "cuda", attention="varlen", **gpu)
-    assert model.policy.attention == "varlen"
-    for k in want:
-        cos = torch.nn.functional.cosine_similarity(got[k].float().flatten(), want[k].float().flatten(), dim=0)
-        assert cos.item() >= 0.999, k
-    assert s_got["loss"] == pytest.approx(s_want["loss"], rel=1e-2)
+def test_varlen_attention_scores_like_the_dense_mask_on_the_gpu(tiny_dir, rollouts, mode):  # noqa: F811
+    """The learner's bf16 forward on the GPU, flash-attention's varlen kernel against the dense mask: the same
+    logprobs to bf16 rounding (on the H200 they agreed to 5e-5, and both lay 0.06-0.08 from the fp32 forward, the
+    margin a wrong mask would exceed). Forward only: after a bf16 update this tiny model's gradients are not
+    repeatable even for the dense mask against itself (cosine 0.85 in one run), so they cannot be compared."""
+    from learner.learner import Learner
+    from learner.policy import POLICY
+    from test_learner_support import load_tiny_spec, make_cfg
+
+    samples, vectors = rollouts[mode]
+
+    def logprobs(attention):
+        cfg = make_cfg(tiny_dir, mode, "colocated", dtype="bfloat16", micro_batch=8, kernels="none", attention=attention)
+        learner = Learner(cfg, load_tiny_spec(tiny_dir), "cuda")
+        assert learner.policy.attention == attention
+        return learner.logprobs(samples, vectors, POLICY)
+
+    got, want = logprobs("varlen"), logprobs("sdpa")
+    assert max(abs(x - y) for p, q in zip(got, want) for x, y in zip(p, q)) <= 1e-2
