@@ -76,14 +76,11 @@ def _transposed(weight: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) ->
     if torch.compiler.is_compiling() or _CASTS is None:  # a compiled layer fuses the casts (no guard on the cache)
         return (weight if scale == 1.0 else weight * scale).to(dtype).t()
 
-    def make():
-        return (weight if scale == 1.0 else _Scaled.apply(weight, scale)).to(dtype).t()
-
     key = (id(weight), dtype, scale, torch.is_grad_enabled())
     hit = _CASTS.get(key)
     if hit is not None and hit[0] is weight and hit[1] == weight._version:
         return hit[2]
-    out = make()
+    out = (weight if scale == 1.0 else _Scaled.apply(weight, scale)).to(dtype).t()
     _CASTS[key] = (weight, weight._version, out)
     return out
 

@@ -31,7 +31,7 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
 
     ``gathered_kv`` (``learner.attention`` varlen): the kernel keeps the gathered keys and values, where a prompt
     key appears once per segment reading it. At 64 x 8 a row's gathered keys are about 2x its tokens; counted
-    as 2 kv·d more per token (1.4% of the fused count at the 8B shape)."""
+    as 2 kv·d more per token (2.8% of the fused count at the 8B shape)."""
     if fused:
         per_layer = 4 * hidden + 4 * heads * head_dim + 3 * kv_heads * head_dim + 3 * intermediate + 7 * lora_r
     else:

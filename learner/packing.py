@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from learner.varlen_attention import layout as varlen_layout
+
 # rows are padded to a multiple of this: the memory-efficient attention kernel wants aligned masks
 ALIGN = 16
 # a row is split beyond this many tokens: its mask is L x L (8192 tokens: 67 MB as bool, twice that in bf16)
@@ -154,25 +156,20 @@ def pack(rows: list[Row], responses: list[list[int]], pad_id: int, device, dense
     T = max(lens)
     slot = torch.cat([s * T + torch.arange(n) for s, n in enumerate(lens)])
     # host work before the first copy to the GPU: that copy waits for the GPU's queue to drain (the micro-batch before)
-    layout = _varlen_layout(seg) if varlen else None
+    layout = varlen_layout(seg) if varlen else None
     mask = segment_mask(seg) if dense_mask else None
     return PackedBatch(
         input_ids=ids.to(device), position_ids=pos.to(device),
-        attention_mask=mask.to(device) if dense_mask else None, segments=seg.to(device),
+        attention_mask=mask.to(device) if mask is not None else None, segments=seg.to(device),
         sites=torch.tensor([row.site for row in rows], dtype=torch.long, device=device),
         vectors=torch.stack([row.vector for row in rows]).to(device=device, dtype=torch.float32),
         pred_index=torch.cat(pred).to(device), targets=torch.cat(targets).to(device), slot=slot.to(device),
         response_lens=torch.tensor(lens, dtype=torch.long, device=device), members=members,
         tokens=sum(len(row.prompt_ids) * len(row.members) + sum(row.response_lens) for row in rows),
         processed=sum(row.length for row in rows),
-        varlen=layout.to(device) if varlen else None,
+        varlen=layout.to(device) if layout is not None else None,
     )
 
-
-def _varlen_layout(segments: torch.Tensor):
-    from learner.varlen_attention import layout
-
-    return layout(segments)
 
 
 def unpack_tokens(values: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
