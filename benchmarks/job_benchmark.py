@@ -82,7 +82,7 @@ CHOICES = [
      "model.quantization (nf4: every service's base in bitsandbytes NF4; vLLM in flight, or dequantised with --lora merged)"),
     ("--lora", ["adapter", "merged"], "adapter", "rollout.lora (merged: the adapter folded into vLLM's weights at each push)"),
     ("--attention", ["auto", "sdpa", "flex", "varlen"], "auto",
-     "learner.attention (auto: flex on a GPU; varlen: flash-attention's variable-length kernel, a segment per response)"),
+     "learner.attention (auto: varlen on a GPU in 16 bits, else flex; varlen: flash-attention's variable-length kernel, a segment per response)"),
     ("--engine-core", ["in_actor", "own_process"], "in_actor",
      "rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own"),
 ]

@@ -12,6 +12,10 @@ from __future__ import annotations
 import os
 
 SAFETY = 1.5
+# fused kernels with flex or varlen attention: in three H200 runs (8B shape, RESULTS.md §13) the peak less the
+# weights, adapters and optimiser state was 0.98-0.99 of the count, 1.02-1.06 with the LM head's fp32 chunks (reserved
+# apart); with SDPA's dense mask it was 1.13-1.18 (eager) and 1.49-1.56 (liger), which keep the wider margin
+SAFETY_MEASURED = 1.2
 QUANTUM = 512
 MIN_TOKENS, MAX_TOKENS = 512, 1 << 17
 CPU_MAX_TOKENS = 16384  # the CPU path: a fixed cap, so runs do not depend on the host's free memory (unless it is short)
@@ -26,8 +30,9 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
     intermediates, and SwiGLU its two inputs, not the SiLU output. Then a layer keeps, per token: the two
     norms' inputs and outputs (4 h; the outputs are the LoRA inputs), the q/k norms' inputs, the attention's
     q, k, v, output and the output's copy for o_proj (4 H·d + 3 kv·d), gate, up and down's input (3 I), and
-    the seven LoRA ranks. The H200 run of RESULTS.md §11 (8B shape, liger + flex, 10,752 tokens; 72.3 GiB at the
-    peak, about 23 GB of it weights, adapters and optimiser state) kept at most about 0.95 of that count.
+    the seven LoRA ranks. The H200 run of RESULTS.md §11 (8B shape, liger + flex, 7 groups of 1,385 tokens; 72.3 GiB
+    at the peak, 23.4 GB of it weights, adapters and optimiser state) kept 0.99 of that count besides the LM head's
+    three fp32 chunks.
 
     ``gathered_kv`` (``learner.attention`` varlen): the kernel keeps the gathered keys and values, where a prompt
     key appears once per segment reading it. At 64 x 8 a row's gathered keys are about 2x its tokens; counted
@@ -43,10 +48,16 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
     return layers * per_layer * elem_bytes
 
 
-def token_budget(free_bytes: int, per_token: int, reserve_bytes: int = 0) -> int:
+def safety(fused: bool, attention: str) -> float:
+    """The factor on the count: ``SAFETY_MEASURED`` where the count was measured to hold (fused kernels, flex or
+    varlen attention), ``SAFETY`` elsewhere."""
+    return SAFETY_MEASURED if fused and attention in ("flex", "varlen") else SAFETY
+
+
+def token_budget(free_bytes: int, per_token: int, reserve_bytes: int = 0, factor: float = SAFETY) -> int:
     """Tokens per micro-batch that fit in ``free_bytes - reserve_bytes`` (at least ``MIN_TOKENS``)."""
     usable = 0.9 * max(free_bytes - reserve_bytes, 0)
-    tokens = int(usable / (SAFETY * per_token)) // QUANTUM * QUANTUM
+    tokens = int(usable / (factor * per_token)) // QUANTUM * QUANTUM
     return max(MIN_TOKENS, min(MAX_TOKENS, tokens))
 
 
@@ -62,8 +73,8 @@ def free_bytes(device) -> int:
 
 
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
-                reserve_bytes: int = 0, fused: bool = False, gathered_kv: bool = False) -> int:
-    """The micro-batch token budget for this model on ``device`` now."""
+                reserve_bytes: int = 0, fused: bool = False, attention: str = "sdpa") -> int:
+    """The micro-batch token budget for this model on ``device`` now (``attention`` as resolved)."""
     import torch
 
     c = model_config
@@ -71,6 +82,6 @@ def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool,
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     per_token = activation_bytes_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
                                            getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
-                                           elem_bytes, checkpointing, fused, gathered_kv)
-    budget = token_budget(free_bytes(device), per_token, reserve_bytes)
+                                           elem_bytes, checkpointing, fused, attention == "varlen")
+    budget = token_budget(free_bytes(device), per_token, reserve_bytes, safety(fused, attention))
     return budget if torch.device(device).type == "cuda" else min(budget, CPU_MAX_TOKENS)

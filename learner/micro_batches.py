@@ -86,7 +86,7 @@ class MicroBatches:
             budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
                                  self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
                                  fused=self.policy.kernels in kernels.FUSED,
-                                 gathered_kv=self.policy.attention == "varlen")
+                                 attention=self.policy.attention)
             # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
             self.budget = int(self.dp.min_value(budget, self.device))
         return self.budget

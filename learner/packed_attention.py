@@ -65,10 +65,16 @@ def register() -> str:
     return NAME
 
 
-def resolve(kind: str, device: torch.device, packed: bool) -> str:
-    """``learner.attention`` on ``device``: ``auto`` = flex for the packed forward on a GPU, sdpa elsewhere."""
+def resolve(kind: str, device: torch.device, packed: bool, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``learner.attention`` on ``device`` for activations of ``dtype``: ``auto`` = varlen for the packed forward on
+    a GPU in 16 bits (flash-attention's kernel: on the H200 as fast as flex, RESULTS.md §12, and nothing to compile,
+    so the first update takes half the time), flex there in float32 or on a torch without the kernel, sdpa on the CPU."""
     if kind == "auto":
-        return "flex" if packed and device.type == "cuda" else "sdpa"
+        if not (packed and device.type == "cuda"):
+            return "sdpa"
+        from learner import varlen_attention
+
+        return "varlen" if dtype in (torch.bfloat16, torch.float16) and varlen_attention.available() else "flex"
     if kind in ("flex", "varlen") and not packed:
         raise ValueError(f"learner.attention={kind}: it reads the packed rows' segments; set learner.forward: packed")
     return kind

@@ -249,7 +249,9 @@ class Policy:
         else:
             lora_compute.uninstall(self.model)
         self.packed = kind == "packed"
-        self.attention = packed_attention.resolve(self.cfg.learner.attention, self.device, self.packed)
+        # the activations' dtype: the embeddings' (fp32 under learner.nf4_fp32_modules, whatever model.dtype says)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        self.attention = packed_attention.resolve(self.cfg.learner.attention, self.device, self.packed, dtype)
         if self.attention == "flex":
             config._attn_implementation = packed_attention.register()
         elif self.attention == "varlen":

@@ -155,6 +155,15 @@ def _kernel():
     return _KERNEL[0]
 
 
+def available() -> bool:
+    """Whether the installed torch has flash-attention's variable-length kernel (``torch.nn.attention.varlen``)."""
+    try:
+        _kernel()
+        return True
+    except RuntimeError:
+        return False
+
+
 def uses_kernel(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)
 

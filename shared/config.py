@@ -223,7 +223,8 @@ class LearnerConfig(_Section):
     """Attention of the packed rows: flex = FlexAttention with a block mask from the rows' segments (no dense
     L x L mask; learner/packed_attention.py); varlen = flash-attention's variable-length kernel, each response a
     segment reading the prompt's keys and its own (learner/varlen_attention.py; bf16/fp16 on a GPU, a slower
-    per-segment SDPA on the CPU); sdpa = a dense 4-D mask; auto = flex on a GPU, sdpa on the CPU."""
+    per-segment SDPA on the CPU); sdpa = a dense 4-D mask; auto = varlen on a GPU in 16 bits (flex in float32),
+    sdpa on the CPU."""
     kernels: Literal["auto", "none", "liger", "compile"] = "auto"
     """Fused decoder kernels (learner/kernels.py): liger = liger-kernel's Triton RMSNorm, RoPE and SwiGLU (CUDA);
     compile = each decoder layer torch.compiled; none = eager; auto = liger on a GPU where it is installed, else none."""

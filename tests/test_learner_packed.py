@@ -74,13 +74,13 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
     assert fresh.micro_batch_tokens == 4096
 
 
-@pytest.mark.parametrize("kernels,attention,counted", [("none", "sdpa", (False, False)), ("compile", "sdpa", (True, False)),
-                                                     ("none", "varlen", (False, True))])
+@pytest.mark.parametrize("kernels,attention,counted", [("none", "sdpa", (False, "sdpa")), ("compile", "sdpa", (True, "sdpa")),
+                                                     ("none", "varlen", (False, "varlen"))])
 def test_the_auto_budget_counts_what_the_kernels_keep(tiny_dir, monkeypatch, kernels, attention, counted):
     from learner import memory_plan
 
     seen = []
-    monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append((k["fused"], k["gathered_kv"])) or 4096)
+    monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append((k["fused"], k["attention"])) or 4096)
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", kernels=kernels, attention=attention),
                       load_tiny_spec(tiny_dir))
     assert learner.micro_batches.token_budget(learner.params, learner.optimizer) == 4096 and seen == [counted]

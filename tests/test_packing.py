@@ -268,6 +268,31 @@ def test_memory_plan():
     assert token_budget(0, per) == 512
 
 
+def test_the_measured_kernels_plan_with_the_smaller_margin():
+    from learner.memory_plan import SAFETY, SAFETY_MEASURED, safety
+
+    assert safety(True, "varlen") == safety(True, "flex") == SAFETY_MEASURED < SAFETY
+    # an eager layer, or SDPA's dense mask, kept more than the count on the H200: the wide margin stays
+    assert safety(False, "varlen") == safety(True, "sdpa") == safety(False, "sdpa") == SAFETY
+    per = activation_bytes_per_token(4096, 12288, 36, 32, 8, 128, 128, 2, False, fused=True, gathered_kv=True)
+    wide, narrow = (token_budget(80 * 2**30, per, 0, f) for f in (SAFETY, SAFETY_MEASURED))
+    assert narrow > wide and narrow * SAFETY_MEASURED * per <= 0.9 * 80 * 2**30
+
+
+def test_auto_attention_takes_the_varlen_kernel_on_a_gpu_in_16_bits(monkeypatch):
+    from learner import packed_attention, varlen_attention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(varlen_attention, "available", lambda: True)
+    assert packed_attention.resolve("auto", cuda, True, torch.bfloat16) == "varlen"
+    assert packed_attention.resolve("auto", cuda, True, torch.float16) == "varlen"
+    assert packed_attention.resolve("auto", cuda, True, torch.float32) == "flex"  # fp32 (nf4_fp32_modules): no kernel
+    assert packed_attention.resolve("auto", cpu, True, torch.bfloat16) == "sdpa"
+    assert packed_attention.resolve("auto", cuda, False, torch.bfloat16) == "sdpa"  # the padded forward
+    monkeypatch.setattr(varlen_attention, "available", lambda: False)  # a torch without the kernel
+    assert packed_attention.resolve("auto", cuda, True, torch.bfloat16) == "flex"
+
+
 def test_right_pad_is_the_one_padding_builder():
     from shared.torch_utils import right_pad
 
