@@ -14,7 +14,8 @@ import os
 SAFETY = 1.5
 # fused kernels with flex or varlen attention: in three H200 runs (8B shape, RESULTS.md §13) the peak less the
 # weights, adapters and optimiser state was 0.98-0.99 of the count, 1.02-1.06 with the LM head's fp32 chunks (reserved
-# apart); with SDPA's dense mask it was 1.13-1.18 (eager) and 1.49-1.56 (liger), which keep the wider margin
+# apart); with SDPA's dense mask it was 1.13 (eager) and 1.49 (liger), 1.18 and 1.56 with the chunks: those keep the
+# wider margin
 SAFETY_MEASURED = 1.2
 QUANTUM = 512
 MIN_TOKENS, MAX_TOKENS = 512, 1 << 17
