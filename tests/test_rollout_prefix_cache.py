@@ -59,3 +59,29 @@ def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypat
     G = engine.cfg.rollout.group_size
     twin = samples[G:2 * G]
     assert max_abs_diff(twin, hf.recompute_logprobs(twin, vectors_of(twin, [batch[1]]))) > 1e-3
+
+
+def test_a_groups_samples_hash_their_shared_prompt_once(engines, tiny_dir, monkeypatch):
+    """vLLM fans a request out into its samples, one prompt-embeddings tensor among them, and hashes every
+    full block of it per sample; the engine's patch (``vllm_compat.shared_prompt_embeds_hashes``) hashes each
+    block once per tensor. Counted at vLLM's SHA-256, against vLLM's own function in the same engine."""
+    import hashlib
+    import types
+
+    from vllm.v1.core import kv_cache_utils
+
+    engine, _ = engines
+    patched = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
+    assert getattr(patched, "shared_per_tensor", False)  # the engine applied it
+    G, new = engine.cfg.rollout.group_size, engine.cfg.rollout.max_new_tokens
+    batch = twin_batch(tiny_dir, engine, BLOCK)
+    blocks = sum((len(r.prompt_ids) + new) // BLOCK for r in batch)  # every sample runs to the cap (ignore_eos)
+    counted = []
+    monkeypatch.setattr(kv_cache_utils, "hashlib", types.SimpleNamespace(sha256=lambda b: counted.append(1) or hashlib.sha256(b)))
+    shared = engine.generate(batch, seed=5, ignore_eos=True)
+    assert len(counted) == blocks
+    counted.clear()
+    monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", patched.__wrapped__)
+    each = engine.generate(batch, seed=5, ignore_eos=True)
+    assert len(counted) == G * blocks
+    assert [s.response_ids for s in each] == [s.response_ids for s in shared]

@@ -100,12 +100,54 @@ def test_the_plugin_patches_only_this_projects_engines(monkeypatch):
     calls = []
     monkeypatch.setattr(compat, "skip_router_gemm_warmup", lambda: calls.append("warmup") or True)
     monkeypatch.setattr(compat, "batched_seeded_sampling", lambda: calls.append("sampler") or True)
+    monkeypatch.setattr(compat, "shared_prompt_embeds_hashes", lambda: calls.append("hashes") or True)
     monkeypatch.delenv(compat.OUR_ENGINE, raising=False)
     register()
     assert calls == []
     monkeypatch.setenv(compat.OUR_ENGINE, "1")
     register()
-    assert calls == ["warmup", "sampler"]
+    assert calls == ["warmup", "sampler", "hashes"]
+
+
+def test_a_groups_samples_share_their_prompts_block_keys():
+    """vLLM hashes each sample's prompt embeddings block by block; the samples of one request hold the same
+    tensor, so after the patch each block of a tensor is hashed once, giving vLLM's own key, and again only
+    after the rows change in place. The installed vLLM has the function with the signature the patch needs."""
+    import hashlib
+    import types
+
+    import torch
+    from rollout.vllm_compat import shared_prompt_embeds_hashes
+    from vllm.v1.core import kv_cache_utils
+
+    assert list(inspect.signature(kv_cache_utils._gen_prompt_embeds_extra_hash_keys).parameters)[:3] == [
+        "request", "start_token_idx", "end_token_idx"]
+    hashed = []
+
+    def vllms(request, start_token_idx, end_token_idx):
+        if request.prompt_embeds is None:
+            return []
+        rows = request.prompt_embeds[start_token_idx:end_token_idx]
+        hashed.append((start_token_idx, end_token_idx))
+        return [hashlib.sha256(rows.numpy().tobytes()).digest()]
+
+    mod = types.SimpleNamespace(_gen_prompt_embeds_extra_hash_keys=vllms)
+    assert shared_prompt_embeds_hashes(mod) and not shared_prompt_embeds_hashes(mod)  # once is enough
+    keys = mod._gen_prompt_embeds_extra_hash_keys
+    embeds = torch.randn(40, 8)
+    samples = [types.SimpleNamespace(prompt_embeds=embeds) for _ in range(8)]
+    first = [keys(s, b, b + 16) for s in samples for b in (0, 16)]
+    assert hashed == [(0, 16), (16, 32)]  # eight samples, two blocks, two hashes
+    assert first == [vllms(samples[0], b, b + 16) for _ in samples for b in (0, 16)]
+    hashed.clear()
+    other = types.SimpleNamespace(prompt_embeds=embeds.clone())  # another prompt with equal rows: its own hash, same key
+    assert keys(other, 0, 16) == first[0] and hashed == [(0, 16)]
+    embeds[3] += 1.0  # rows changed in place: hashed anew
+    assert keys(samples[0], 0, 16) != first[0] and hashed[-1] == (0, 16)
+    hashed.clear()
+    assert keys(types.SimpleNamespace(prompt_embeds=None), 0, 16) == [] and hashed == []  # token prompts: vLLM's own
+    assert not shared_prompt_embeds_hashes(types.SimpleNamespace())  # gone in some version: nothing to do
+    assert not shared_prompt_embeds_hashes(types.SimpleNamespace(_gen_prompt_embeds_extra_hash_keys=lambda r, s: []))
 
 
 def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
