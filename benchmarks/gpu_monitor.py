@@ -11,6 +11,7 @@ import math
 import statistics
 import subprocess
 import threading
+import time
 
 FIELDS = ("memory.used", "clocks.sm", "power.draw")  # MiB, MHz, W
 
@@ -24,6 +25,7 @@ class SmiPoll:
         self.command = command or ["nvidia-smi", f"--query-gpu={','.join(self.fields)}", "--format=csv,noheader,nounits",
                                    "-lms", str(interval_ms)]
         self.rows: list[tuple[float, ...]] = []
+        self.times: list[float] = []  # unix time each row was read (within a poll interval of its reading)
         self.proc = None
 
     def __enter__(self):
@@ -41,9 +43,11 @@ class SmiPoll:
             if len(parts) != len(self.fields):
                 continue
             try:
-                self.rows.append(tuple(float(p) for p in parts))
+                row = tuple(float(p) for p in parts)
             except ValueError:  # "[N/A]" and the like
                 continue
+            self.times.append(time.time())
+            self.rows.append(row)
 
     def __exit__(self, *exc):
         if self.proc is not None:
@@ -64,3 +68,15 @@ class SmiPoll:
             out[f] = ({"median": statistics.median(v), "min": min(v), "max": max(v)} if v
                       else dict.fromkeys(("median", "min", "max"), math.nan))
         return out
+
+
+def peak_by_phase(times: list[float], values: list[float], timeline: list[dict]) -> dict:
+    """The largest value polled inside each phase's windows (``timeline.jsonl`` rows: ``{"step", "phases":
+    [[name, start, end], ...]}``), over all the rows given; a phase no poll fell in is left out."""
+    out: dict[str, float] = {}
+    for row in timeline:
+        for name, start, end in row["phases"]:
+            inside = [v for t, v in zip(times, values) if start <= t <= end]
+            if inside:
+                out[name] = max(out.get(name, -math.inf), max(inside))
+    return out

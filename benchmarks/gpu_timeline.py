@@ -10,11 +10,15 @@ kernels shorter than their launches), the GPU idles and the wall time exceeds th
 - ``idle_by_op``: the idle time summed per outermost host op name (an idle stretch counts for every op it
   overlapped, in proportion), which names the syncs and the host work to move or cut.
 
+- ``device_time_by_kind``: the device's time summed per kind of kernel (matmul, attention, sampling, copy,
+  elementwise), so a step's time can be set against what its matmuls and its KV reads need at the peak rates.
+
 Pure functions over ``Span`` lists; ``spans_from_profiler`` reads them from a ``torch.profiler.profile``.
 """
 from __future__ import annotations
 
 import bisect
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -125,3 +129,33 @@ def format_report(rep: dict) -> str:
     lines += [f"  at {g['at_ms']:9.3f} ms  {g['ms']:7.3f} ms  host: {', '.join(g['host_ops']) or '-'}  then: {g['ended_by']}"
               for g in rep["gaps"]]
     return "\n".join(lines)
+
+
+# kernel names by kind, first match wins (cuBLAS/CUTLASS/nvjet GEMMs, flash-attention and vLLM's paged kernels,
+# the sampler's softmax/exponential/argmax and this project's seeded-noise kernel, copies and fills)
+KINDS = (
+    ("attention", r"flash|fmha|attn|paged|reshape_and_cache|merge_attn"),
+    ("matmul", r"gemm|xmma|cutlass|nvjet|cublas|matmul|splitk|wgmma|sm90_"),
+    ("sampling", r"softmax|exponential|argmax|argsort|topk|top_k|gather|noise|sample|cumsum|log_softmax"),
+    ("copy", r"memcpy|memset|copy|cat_|fill"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """``matmul``, ``attention``, ``sampling``, ``copy`` or ``elementwise`` (norms, activations, rotary, adds)."""
+    low = name.lower()
+    for kind, pattern in KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "elementwise"
+
+
+def device_time_by_kind(device: list[Span], top: int = 12) -> dict:
+    """Milliseconds of device time per kind of kernel (``kernel_kind``), and the ``top`` kernels by time."""
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for s in device:
+        by_kind[kernel_kind(s.name)] += s.end - s.start
+        by_name[s.name] += s.end - s.start
+    return {"ms": {k: round(v / 1e3, 3) for k, v in sorted(by_kind.items(), key=lambda x: -x[1])},
+            "top_kernels_ms": {k[:120]: round(v / 1e3, 3) for k, v in sorted(by_name.items(), key=lambda x: -x[1])[:top]}}

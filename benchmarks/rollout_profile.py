@@ -11,6 +11,13 @@ prefill and decode tokens and their step times, peak KV use, preemptions.
 
     python benchmarks/rollout_profile.py --out benchmarks/results/h200-rollout-profile.json
     python benchmarks/rollout_profile.py --modes shared,unseeded --lora merged --out benchmarks/results/h200-rollout-profile-merged.json
+    python benchmarks/rollout_profile.py --batches 64 --modes shared --lora merged --profile benchmarks/results/h200-rollout-kernels.txt
+
+Each run also splits the wall time: ``admit_s`` (the call's start to its first scheduler step: building the
+prompts' embeddings, vLLM's request admission and block hashing), the steps, and ``last_step_and_tail_s`` (the
+last step and the outputs turned into samples). ``--profile`` runs one more generate of the first batch under
+``torch.profiler``: the kernel table, the GPU's busy share with the host ops its idle time fell in, and the
+device time per decode step by kind of kernel (``gpu_timeline``), to set against the peak rates.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import gpu_timeline  # noqa: E402
 import step_benchmark  # noqa: E402
 
 
@@ -65,6 +73,12 @@ class SchedulerTrace:
 
     def reset(self):
         self.steps, self.preempted, self.last = [], 0, None
+
+    def span(self, start: float, end: float) -> dict:
+        """The call's time before its first step and from its last step's start to its end."""
+        if not self.steps:
+            return {"admit_s": float("nan"), "last_step_and_tail_s": float("nan")}
+        return {"admit_s": self.steps[0]["t"] - start, "last_step_and_tail_s": end - self.steps[-1]["t"]}
 
     def summary(self) -> dict:
         steps = [s for s in self.steps if "seconds" in s and (s["prefill"] or s["decode"])]
@@ -149,9 +163,34 @@ def random_update(cfg, shape: dict, layers: int, device: str):
     return AdapterUpdate(version=1, tensors=tensors, peft_config=jsonable(config.to_dict()))
 
 
+def kernel_profile(engine, reqs, trace, device: str, out: Path, sync) -> dict:
+    """One generate of ``reqs`` under ``torch.profiler``: the kernel table to ``out``; returns the timeline
+    (busy share, idle time by host op) and the device time by kind of kernel, in all and per decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    trace.reset()
+    with profile(activities=acts) as prof:
+        engine.generate(reqs, seed=99, ignore_eos=True)
+        sync()
+    key = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.key_averages().table(sort_by=key, row_limit=45))
+    dev, host = gpu_timeline.spans_from_profiler(prof)
+    timeline = gpu_timeline.timeline_report(dev, host)
+    out.with_name(out.stem + "-timeline.txt").write_text(gpu_timeline.format_report(timeline) + "\n")
+    kinds = gpu_timeline.device_time_by_kind(dev)
+    steps = trace.summary()
+    decode = max(1, steps["steps"] - steps["prefill_steps"])
+    kinds["ms_per_decode_step_all_steps"] = {k: round(v / decode, 3) for k, v in kinds["ms"].items()}
+    print(f"[profile] GPU busy {timeline['busy']:.1%} of {timeline['window_ms']:.0f} ms; device ms by kind: {kinds['ms']}", flush=True)
+    return {"prompts": len(reqs), "steps": steps, "timeline": timeline, "device_time": kinds}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     step_benchmark.add_workload_args(ap, steps=2)
+    step_benchmark.add_engine_options(ap)
     ap.add_argument("--batches", default="64,128,256", help="prompts per rollout, comma-separated")
     ap.add_argument("--out", default="benchmarks/results/h200-rollout-profile.json")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (quick check; no CUDA graphs)")
@@ -162,6 +201,8 @@ def main() -> int:
                          "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side), "
                          "dictlogprobs (shared, the logprobs in vLLM's default per-token dicts, not flat lists)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
+    ap.add_argument("--profile", help="write the torch-profiler kernel table of one more generate of the first batch "
+                                      "here (the JSON gets its timeline and device time by kind of kernel)")
     args = ap.parse_args()
     import torch
 
@@ -189,7 +230,7 @@ def main() -> int:
         "data": {"parquet": str(root / "rl.parquet")},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "enforce_eager": args.eager, "max_prompt_tokens": args.prompt_len,
-                    "lora": args.lora},
+                    "lora": args.lora, "engine_options": dict(args.engine_option)},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16},
         "grpo": {"prompts_per_step": top}, "placement": {"mode": "colocated" if device == "cuda" else "cpu"}, "weight_sync": {"kind": "host"},
         "prompts": {"enable_thinking": False},
@@ -272,13 +313,18 @@ def main() -> int:
                 else:
                     raise SystemExit(f"--modes: expected shared, unshared or unseeded, found {mode!r}")
                 sync()
-                wall = time.perf_counter() - t
-                rec = {"prompts": n, "group": G, "mode": mode, "rep": rep, "wall_s": wall, **trace.summary()}
+                end = time.perf_counter()
+                wall = end - t
+                rec = {"prompts": n, "group": G, "mode": mode, "rep": rep, "wall_s": wall, **trace.span(t, end),
+                       **trace.summary()}
                 rec.update(timers.summary(rec["steps"]))
                 rec["generated_tokens_per_s"] = n * G * args.new_tokens / wall
                 results["runs"].append(rec)
                 print(json.dumps(rec), flush=True)
                 Path(args.out).write_text(json.dumps(results, indent=1))  # kept as it grows: a cut run keeps its figures
+    if args.profile:
+        results["profile"] = kernel_profile(engine, reqs[:batches[0]], trace, device, Path(args.profile), sync)
+        Path(args.out).write_text(json.dumps(results, indent=1))
     engine.close()
     Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"\n| batch | mode | wall s | steps | prefill tok | prefill s | decode ms/step | KV peak | preempt |\n|---|---|---|---|---|---|---|---|---|")

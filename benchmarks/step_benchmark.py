@@ -240,6 +240,22 @@ def add_workload_args(ap, steps: int) -> None:
     ap.add_argument("--vllm-mem", type=vllm_mem_arg, default=0.35, help="vLLM's share of the GPU when it shares one, or auto")
 
 
+def add_engine_options(ap) -> None:
+    """``--engine-option KEY=VALUE``, for the benchmarks that run vLLM."""
+    ap.add_argument("--engine-option", type=engine_option_arg, action="append", default=[], metavar="KEY=VALUE",
+                    help="a rollout.engine_options entry for vLLM (repeatable; VALUE read as YAML), e.g. kv_cache_dtype=fp8")
+
+
+def engine_option_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> (KEY, VALUE read as YAML)."""
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, found {text!r}")
+    return key.strip(), yaml.safe_load(value)
+
+
 def parse_with_dry_run(ap, out: str):
     """``--out`` (default ``out``) and ``--dry-run-cpu`` added, the arguments parsed; a dry run moves the
     benchmarks to the CPU (``DEVICE``) with at most 4 decoder layers."""
@@ -256,6 +272,7 @@ def parse_with_dry_run(ap, out: str):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(ap, steps=3)
+    add_engine_options(ap)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--skip-reference", action="store_true")
     ap.add_argument("--skip-old-update", action="store_true", help="do not also time the padded (pre-packing) update")
@@ -285,7 +302,7 @@ def main() -> int:
         "data": {"parquet": str(root / "rl.parquet"), "eval_fraction": 0.0, "fve_baseline_rows": 8},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "gpu_memory_utilization": args.vllm_mem,
                     "enforce_eager": args.enforce_eager, "max_loras": 2,
-                    "max_num_seqs": max(64, args.prompts * args.group)},
+                    "max_num_seqs": max(64, args.prompts * args.group), "engine_options": dict(args.engine_option)},
         "weight_sync": {"kind": "file" if args.transport == "file" else "auto"},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,

@@ -18,7 +18,7 @@ from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
 from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
-from orchestrator.metrics import eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
+from orchestrator.metrics import StepTimeline, eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
 from orchestrator.run_dir import RunDir
 from orchestrator.weight_push import AdapterPush
 from shared.data import ShuffledOrder, make_order, order_from_state
@@ -242,11 +242,12 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     t_run = time.time()
     last: dict = {}
     step, phase = start, "start"
+    timeline = StepTimeline()
     try:
         for step in range(start, cfg.grpo.steps):
             t0 = time.time()
             # ---- batch + rollout (already in flight when overlapping) ----
-            phase = "rollout"
+            phase = timeline.mark("rollout")
             t = time.time()
             if feed.pending is None:
                 feed.launch(step, version)
@@ -260,7 +261,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             group_ids = torch.arange(P).repeat_interleave(G)
 
             # ---- extract, score, reward ----
-            phase = "score"
+            phase = timeline.mark("score")
             t = time.time()
             expl, mses, rewards = _score(services, job, samples, vectors)
             t_score = time.time() - t
@@ -275,7 +276,11 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- update (vLLM asleep meanwhile, when configured) ----
             phase = "update"
-            t_sleep = _on_engines(services, "sleep") if sleep else 0.0
+            t_sleep = 0.0
+            if sleep:
+                timeline.mark("sleep")
+                t_sleep = _on_engines(services, "sleep")
+            timeline.mark("update")
             t = time.time()
             upd = services.learner.update(samples, adv.tolist(), vectors)
             t_update = time.time() - t
@@ -283,7 +288,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                 log(f"step {step + 1}: optimiser step skipped (non-finite loss or gradient norm, or no usable sample)")
 
             # ---- critic co-training (after the rewards it produced were computed) ----
-            phase = "critic"
+            phase = timeline.mark("critic")
             t = time.time()
             crit = {}
             if cfg.critic.train and not upd.get("skipped"):
@@ -294,11 +299,15 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
             # ---- push (after the overlapped rollout, whose remaining wait counts as rollout time) ----
             phase = "rollout"
+            timeline.mark("rollout_wait")  # the overlapped rollout's remaining time (none without overlap)
             t = time.time()
             feed.wait()
             t_rollout += time.time() - t
             phase = "push"
-            t_sleep += _on_engines(services, "wake_up") if sleep else 0.0
+            if sleep:
+                timeline.mark("wake_up")
+                t_sleep += _on_engines(services, "wake_up")
+            timeline.mark("push")
             t = time.time()
             if not upd.get("skipped"):
                 version = push()
@@ -320,7 +329,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             row.update(crit)
 
             # ---- eval ----
-            phase = "eval"
+            phase = timeline.mark("eval")
             t = time.time()
             records, judged_records = None, None
             if cfg.logging.eval_every and ((step + 1) % cfg.logging.eval_every == 0 or step + 1 == cfg.grpo.steps):
@@ -332,7 +341,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             row["time/eval"] = time.time() - t
 
             # ---- checkpoint ----
-            phase = "checkpoint"
+            phase = timeline.mark("checkpoint")
             t = time.time()
             every = cfg.checkpointing.every
             pending = None
@@ -342,6 +351,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             row["wall_s"] = time.time() - t0
             row["elapsed_s"] = time.time() - t_run
             run.append_metrics(row)
+            run.append_timeline(timeline.row(step + 1))
             if pending is not None:
                 run.commit_checkpoint(pending, step + 1, cfg.checkpointing.keep_last)
             if wandb_run is not None:

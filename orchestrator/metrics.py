@@ -97,3 +97,27 @@ def eval_table(records: list[dict]):
 
     columns = ["step", "row_id", "doc_id", "reward", "mse", "explanation", "text"]
     return wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in records])
+
+
+class StepTimeline:
+    """When each phase of a step began (unix time), for ``timeline.jsonl``: set a step's phase times beside
+    what was polled from outside the job (device memory, clocks). ``mark`` returns the phase's name."""
+
+    def __init__(self, clock=None):
+        import time
+
+        self.clock = clock or time.time
+        self.marks: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> str:
+        self.marks.append((name, self.clock()))
+        return name
+
+    def row(self, step: int) -> dict:
+        """``{"step", "phases": [[name, start, end], ...]}``, each phase ending where the next began and the
+        last one now; the marks are then cleared for the next step."""
+        end = self.clock()
+        bounds = [t for _, t in self.marks[1:]] + [end]
+        out = {"step": step, "phases": [[name, start, stop] for (name, start), stop in zip(self.marks, bounds)]}
+        self.marks = []
+        return out

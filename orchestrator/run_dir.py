@@ -1,4 +1,4 @@
-"""The run directory: resolved config, metrics.jsonl, samples.jsonl, atomic checkpoints, plots.
+"""The run directory: resolved config, metrics.jsonl, samples.jsonl, timeline.jsonl, atomic checkpoints, plots.
 
 A checkpoint is built in ``checkpoints/.tmp-step_NNNNNN`` and renamed into place only when complete,
 so a run killed at any moment leaves either the whole checkpoint or none of it. One process at a time
@@ -34,6 +34,7 @@ class RunDir:
         self.path = Path(path)
         self.metrics = self.path / "metrics.jsonl"
         self.samples = self.path / "samples.jsonl"
+        self.timeline = self.path / "timeline.jsonl"  # when each step's phases ran (unix times)
         self.checkpoints = self.path / "checkpoints"
         self.plots = self.path / "plots"
         # written once per run: checkpoints point at it (unless checkpointing.self_contained)
@@ -105,6 +106,10 @@ class RunDir:
             for r in rows:
                 f.write(json.dumps(_json_safe(r), ensure_ascii=False) + "\n")
 
+    def append_timeline(self, row: dict) -> None:
+        with self.timeline.open("a") as f:
+            f.write(json.dumps(_json_safe(row)) + "\n")
+
     def read_metrics(self) -> list[dict]:
         if not self.metrics.is_file():
             return []
@@ -119,7 +124,7 @@ class RunDir:
     def truncate_logs(self, step: int) -> None:
         """Keep the log lines of steps 1..``step`` (the checkpoint resumed from holds step ``step``'s state);
         later ones are redone after a resume."""
-        for path in (self.metrics, self.samples):
+        for path in (self.metrics, self.samples, self.timeline):
             if not path.is_file():
                 continue
             keep = []

@@ -64,6 +64,7 @@ def test_smi_poll_summarises_each_field_and_skips_unreadable_rows():
     s = poll.summary()
     assert s["memory.used"] == {"median": 200.0, "min": 100.0, "max": 300.0}
     assert s["clocks.sm"]["median"] == 1700.0 and s["power.draw"]["max"] == 690.0
+    assert len(poll.times) == len(poll.rows) == 3 and poll.times == sorted(poll.times)  # each kept row, when it came
 
 
 def test_smi_poll_without_nvidia_smi_gives_nan():
@@ -74,3 +75,32 @@ def test_smi_poll_without_nvidia_smi_gives_nan():
     with SmiPoll(command=["/nonexistent/nvidia-smi"]) as poll:
         pass
     assert all(math.isnan(v) for f in poll.summary().values() for v in f.values())
+
+
+def test_device_time_is_summed_by_kind_of_kernel():
+    from gpu_timeline import Span, device_time_by_kind, kernel_kind
+
+    assert kernel_kind("sm90_xmma_gemm_bf16bf16_bf16f32") == "matmul"
+    assert kernel_kind("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT") == "matmul"
+    assert kernel_kind("void flash::flash_fwd_splitkv_kernel<...>") == "attention"
+    assert kernel_kind("void vllm::reshape_and_cache_flash_kernel<...>") == "attention"
+    assert kernel_kind("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>") == "sampling"
+    assert kernel_kind("noise") == "sampling"
+    assert kernel_kind("Memcpy HtoD (Pinned -> Device)") == "copy"
+    assert kernel_kind("triton_red_fused_add_mul_rms_norm_0") == "elementwise"
+    spans = [Span("sm90_xmma_gemm", 0, 3000), Span("flash_fwd", 3000, 4000), Span("sm90_xmma_gemm", 5000, 6000),
+             Span("rms_norm_kernel", 6000, 6500)]
+    rep = device_time_by_kind(spans, top=2)
+    assert rep["ms"] == {"matmul": 4.0, "attention": 1.0, "elementwise": 0.5}
+    assert list(rep["ms"]) == ["matmul", "attention", "elementwise"]  # the largest first
+    assert rep["top_kernels_ms"] == {"sm90_xmma_gemm": 4.0, "flash_fwd": 1.0}
+
+
+def test_the_peak_of_each_phase_comes_from_the_polls_inside_its_windows():
+    from gpu_monitor import peak_by_phase
+
+    timeline = [{"step": 2, "phases": [["rollout", 10.0, 20.0], ["update", 20.0, 40.0]]},
+                {"step": 3, "phases": [["rollout", 40.0, 50.0], ["update", 50.0, 70.0], ["push", 70.0, 70.1]]}]
+    times = [5.0, 12.0, 19.0, 25.0, 45.0, 60.0, 80.0]
+    values = [999.0, 30.0, 35.0, 80.0, 50.0, 70.0, 999.0]  # the polls before and after the steps count nowhere
+    assert peak_by_phase(times, values, timeline) == {"rollout": 50.0, "update": 80.0}  # no poll fell in push

@@ -131,6 +131,16 @@ def test_a_killed_run_resumes_exactly(tiny_dir, tmp_path, six_step_run):
     a, c = _adapter(straight, 6), _adapter(killed, 6)
     assert a.keys() == c.keys() and all((a[k] == c[k]).all() for k in a)
     assert _comparable(_metrics(straight)) == _comparable(_metrics(killed))
+    # timeline.jsonl: each step once (the resume cut the lines of the steps it redid), its phases back to back
+    phases = ["rollout", "score", "update", "critic", "rollout_wait", "push", "eval", "checkpoint"]
+    for run in (straight, killed):
+        rows = [json.loads(l) for l in (run / "timeline.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 7))
+        for r in rows:
+            assert [p[0] for p in r["phases"]] == phases
+            assert all(p[1] <= p[2] for p in r["phases"])
+            assert all(a[2] == b[1] for a, b in zip(r["phases"], r["phases"][1:]))
+        assert all(a["phases"][-1][2] <= b["phases"][0][1] for a, b in zip(rows, rows[1:]))
     # the learner's RNG stream too (nothing draws from it today; the next draw must not diverge)
     rng = [load_file(str(r / "checkpoints" / "step_000006" / "policy" / "rng.safetensors")) for r in (straight, killed)]
     assert rng[0].keys() == rng[1].keys() and all((rng[0][k] == rng[1][k]).all() for k in rng[0])

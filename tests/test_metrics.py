@@ -30,3 +30,16 @@ def test_cjk_fraction_and_empty_batches():
     e = eval_metrics([1.0, -9.0], [0.5, None], fve_baseline=2.0)
     assert e["eval/mse_mean_valid"] == e["eval/mse_mean"] == 0.5 and e["eval/fve_pct"] == pytest.approx(75.0)
     assert e["eval/reward_mean"] == pytest.approx(-4.0) and e["eval/reward_mean_valid"] == 1.0
+
+
+def test_a_step_timeline_closes_each_phase_where_the_next_begins():
+    from orchestrator.metrics import StepTimeline
+
+    ticks = iter([10.0, 12.5, 13.0, 20.0, 21.0, 30.0])
+    tl = StepTimeline(clock=lambda: next(ticks))
+    assert tl.mark("rollout") == "rollout"
+    tl.mark("score")
+    tl.mark("update")
+    assert tl.row(4) == {"step": 4, "phases": [["rollout", 10.0, 12.5], ["score", 12.5, 13.0], ["update", 13.0, 20.0]]}
+    tl.mark("rollout")
+    assert tl.row(5) == {"step": 5, "phases": [["rollout", 21.0, 30.0]]}  # the marks start anew each step
