@@ -59,15 +59,17 @@ def karvonen_overrides(cfg, marker_id: int) -> dict:
 
 
 def model_shape(cfg, dtype) -> dict:
-    """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes."""
+    """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes (one
+    where ``rollout.engine_options`` sets an fp8 ``kv_cache_dtype``)."""
     import json
 
     c = json.loads((model_dir(cfg) / "config.json").read_text())
     c = c.get("text_config", c)
     heads = c["num_attention_heads"]
+    kv_dtype = str(cfg.rollout.engine_options.get("kv_cache_dtype", "auto"))  # vLLM's fp8 caches: fp8, fp8_e4m3, fp8_e5m2
+    elem = 1 if kv_dtype.startswith("fp8") else 4 if dtype_name(dtype) == "float32" else 2
     return {"layers": c["num_hidden_layers"], "kv_heads": c.get("num_key_value_heads") or heads,
-            "head_dim": c.get("head_dim") or c["hidden_size"] // heads,
-            "elem_bytes": 4 if dtype_name(dtype) == "float32" else 2}
+            "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "elem_bytes": elem}
 
 
 def weight_bytes(cfg) -> int:

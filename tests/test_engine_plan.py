@@ -72,3 +72,22 @@ def test_bad_values_are_refused():
                 {"max_num_seqs": "many"}):
         with pytest.raises(NlaInputError):
             build_config({"rollout": bad})
+
+
+def test_the_kv_element_follows_the_engines_cache_dtype(tiny_dir):
+    """The plan sizes the cache from the model's config: 2 bytes in bf16, 4 in fp32, 1 with an fp8 cache."""
+    import json
+
+    import torch
+    from rollout.vllm_engine import model_shape
+
+    c = json.loads((tiny_dir / "model" / "config.json").read_text())
+
+    def shape(dtype, **options):
+        return model_shape(build_config({"model": {"path": str(tiny_dir / "model")}, "rollout": {"engine_options": options}}), dtype)
+
+    assert shape(torch.bfloat16) == {"layers": c["num_hidden_layers"], "kv_heads": c["num_key_value_heads"],
+                                     "head_dim": c["head_dim"], "elem_bytes": 2}
+    assert shape(torch.float32)["elem_bytes"] == 4
+    assert shape(torch.bfloat16, kv_cache_dtype="fp8")["elem_bytes"] == shape(torch.float32, kv_cache_dtype="fp8_e5m2")["elem_bytes"] == 1
+    assert shape(torch.bfloat16, kv_cache_dtype="auto")["elem_bytes"] == 2
