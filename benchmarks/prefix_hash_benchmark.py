@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -40,6 +41,17 @@ def admit(prompts: int, group: int, prompt_len: int, hidden: int, block: int, se
     out = [Request(f"{g}_{i}", None, params, None, prompt_embeds=e, cache_salt="salt", block_hasher=hasher).block_hashes
            for i, e in enumerate(embeds) for g in range(group)]
     return time.perf_counter() - t, out
+
+
+def cpu_name() -> str | None:
+    """The host CPU's model name (Linux), for the JSON: the hashing runs at that CPU's speed."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def main() -> int:
@@ -84,7 +96,7 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         if not same:
             raise SystemExit("the shared keys differ from vLLM's own: the patch is wrong")
-    result = {"vllm": vllm.__version__, "cpu": platform.processor() or platform.machine(),
+    result = {"vllm": vllm.__version__, "cpu": cpu_name() or platform.machine(), "cores": os.cpu_count(),
               "prompt_len": args.prompt_len, "hidden": args.hidden, "block": args.block, "reps": args.reps, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

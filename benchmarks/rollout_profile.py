@@ -14,8 +14,9 @@ prefill and decode tokens and their step times, peak KV use, preemptions.
     python benchmarks/rollout_profile.py --batches 64 --modes shared --lora merged --profile benchmarks/results/h200-rollout-kernels.txt
 
 Each run also splits the wall time: ``admit_s`` (the call's start to its first scheduler step: building the
-prompts' embeddings, vLLM's request admission and block hashing), the steps, and ``last_step_and_tail_s`` (the
-last step and the outputs turned into samples). ``--profile`` runs one more generate of the first batch under
+prompts' embeddings, vLLM's request admission and block hashing), the prefill and decode steps, the scheduler
+calls that scheduled nothing (``empty_steps_s``), and ``last_step_and_tail_s`` (the last step and the outputs
+turned into samples). ``--profile`` runs one more generate of the first batch under
 ``torch.profiler``: the kernel table, the GPU's busy share with the host ops its idle time fell in, and the
 device time per decode step by kind of kernel (``gpu_timeline``), to set against the peak rates.
 """
@@ -82,6 +83,7 @@ class SchedulerTrace:
 
     def summary(self) -> dict:
         steps = [s for s in self.steps if "seconds" in s and (s["prefill"] or s["decode"])]
+        empty = [s for s in self.steps if "seconds" in s and not (s["prefill"] or s["decode"])]
         pre = [s for s in steps if s["prefill"]]
         dec = [s for s in steps if not s["prefill"]]
         return {
@@ -92,6 +94,8 @@ class SchedulerTrace:
             "max_running": max((s["running"] for s in steps), default=0),
             "kv_usage_peak": max((s["kv_usage"] for s in steps), default=float("nan")),
             "preemptions": self.preempted,
+            # scheduler calls that scheduled nothing (the engine waiting on a step in flight), and their time
+            "empty_steps": len(empty), "empty_steps_s": sum(s["seconds"] for s in empty),
         }
 
 
