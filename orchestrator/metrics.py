@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import unicodedata
 
 import numpy as np
@@ -104,8 +105,6 @@ class StepTimeline:
     what was polled from outside the job (device memory, clocks). ``mark`` returns the phase's name."""
 
     def __init__(self, clock=None):
-        import time
-
         self.clock = clock or time.time
         self.marks: list[tuple[str, float]] = []
 

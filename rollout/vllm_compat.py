@@ -209,8 +209,8 @@ def engine_add_lora(llm, request) -> bool:
 
 def engine_patches() -> dict:
     """What an engine this project starts changes in vLLM, in its own process (the actor, for an
-    in-process engine core) or through the plugin in vLLM's: ``skip_router_gemm_warmup`` and
-    ``batched_seeded_sampling``. Never raises; says which applied."""
+    in-process engine core) or through the plugin in vLLM's: ``skip_router_gemm_warmup``,
+    ``batched_seeded_sampling`` and ``shared_prompt_embeds_hashes``. Never raises; says which applied."""
     return {"skip_router_gemm_warmup": skip_router_gemm_warmup(), "batched_seeded_sampling": batched_seeded_sampling(),
             "shared_prompt_embeds_hashes": shared_prompt_embeds_hashes()}
 
@@ -337,7 +337,6 @@ def prefix_cache_keys_embeds(module=None) -> bool:
         return fn is not None and "request" in inspect.signature(fn).parameters
     except Exception:  # noqa: BLE001 - unknown layout: treat as unsafe
         return False
-
 
 
 EMBEDS_HASH_MEMO = "_nla_grpo_block_keys"  # the attribute of a prompt_embeds tensor that holds its blocks' keys
