@@ -18,7 +18,7 @@ prompts' embeddings, vLLM's request admission and block hashing), the prefill an
 calls that scheduled nothing (``empty_steps_s``), and ``last_step_and_tail_s`` (the last step and the outputs
 turned into samples). ``--profile`` runs one more generate of the first batch under
 ``torch.profiler``: the kernel table, the GPU's busy share with the host ops its idle time fell in, and the
-device time per decode step by kind of kernel (``gpu_timeline``), to set against the peak rates.
+device time per step by kind of kernel (``gpu_timeline``), to set against the peak rates.
 """
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ def random_update(cfg, shape: dict, layers: int, device: str):
 
 def kernel_profile(engine, reqs, trace, device: str, out: Path, sync) -> dict:
     """One generate of ``reqs`` under ``torch.profiler``: the kernel table to ``out``; returns the timeline
-    (busy share, idle time by host op) and the device time by kind of kernel, in all and per decode step."""
+    (busy share, idle time by host op) and the device time by kind of kernel, in all and per scheduler step."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -185,8 +185,7 @@ def kernel_profile(engine, reqs, trace, device: str, out: Path, sync) -> dict:
     out.with_name(out.stem + "-timeline.txt").write_text(gpu_timeline.format_report(timeline) + "\n")
     kinds = gpu_timeline.device_time_by_kind(dev)
     steps = trace.summary()
-    decode = max(1, steps["steps"] - steps["prefill_steps"])
-    kinds["ms_per_decode_step_all_steps"] = {k: round(v / decode, 3) for k, v in kinds["ms"].items()}
+    kinds["ms_per_step"] = {k: round(v / max(1, steps["steps"]), 3) for k, v in kinds["ms"].items()}  # prefill steps too
     print(f"[profile] GPU busy {timeline['busy']:.1%} of {timeline['window_ms']:.0f} ms; device ms by kind: {kinds['ms']}", flush=True)
     return {"prompts": len(reqs), "steps": steps, "timeline": timeline, "device_time": kinds}
 
