@@ -64,11 +64,7 @@ def engine_admission(batches: list[int], group: int, prompt_len: int, hidden: in
     from rollout.vllm_compat import in_process_scheduler
     from rollout.vllm_engine import VllmEngine
     from shared.config import build_config
-    from shared.data import read_rows
-    from shared.prompts import prompt_table
     from shared.spec import load_spec, sidecar_path
-    from shared.types import PromptRequest
-    from transformers import AutoTokenizer
     from vllm.v1.core import kv_cache_utils
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -86,11 +82,7 @@ def engine_admission(batches: list[int], group: int, prompt_len: int, hidden: in
     }, "prefix-hash-benchmark")
     engine = VllmEngine(cfg, spec, device)
     assert engine.prefix_caching, "the engine runs without prefix caching: nothing to hash"
-    tok = AutoTokenizer.from_pretrained(root / "model")
-    rows = read_rows(cfg.data.parquet, spec.d_model)
-    table, (index,) = prompt_table([rows], tok, spec, cfg.rollout.prefill, cfg.data.parquet, False)
-    reqs = [PromptRequest(int(rows.row_ids[i]), table[index[i]][0], table[index[i]][1], rows.activations[i].tolist())
-            for i in range(max(batches))]
+    reqs = step_benchmark.workload_requests(cfg, spec, max(batches))
     scheduler, llm_engine = in_process_scheduler(engine.llm), engine.llm.llm_engine
     shared = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     if not getattr(shared, "shared_per_tensor", False):

@@ -222,7 +222,6 @@ def main() -> int:
     from rollout.vllm_engine import VllmEngine
     from shared.config import build_config
     from shared.spec import load_spec, sidecar_path
-    from shared.types import PromptRequest
 
     batches = [int(b) for b in args.batches.split(",")]
     top = max(batches)
@@ -242,16 +241,7 @@ def main() -> int:
     engine = VllmEngine(cfg, spec, device)
     start_s = time.perf_counter() - t0
     engine.load_adapter(random_update(cfg, shape, args.layers, engine.device))
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(root / "model")
-    from shared.data import read_rows
-    from shared.prompts import prompt_table
-
-    rows = read_rows(cfg.data.parquet, spec.d_model)
-    table, (index,) = prompt_table([rows], tok, spec, cfg.rollout.prefill, cfg.data.parquet, False)
-    reqs = [PromptRequest(int(rows.row_ids[i]), table[index[i]][0], table[index[i]][1], rows.activations[i].tolist())
-            for i in range(top)]
+    reqs = step_benchmark.workload_requests(cfg, spec, top)
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
     timers = CallTimers(engine.llm)
     vllm, G = engine._vllm, args.group

@@ -240,6 +240,21 @@ def add_workload_args(ap, steps: int) -> None:
     ap.add_argument("--vllm-mem", type=vllm_mem_arg, default=0.35, help="vLLM's share of the GPU when it shares one, or auto")
 
 
+def workload_requests(cfg, spec, n: int) -> list:
+    """The first ``n`` rows of the run's RL parquet as ``PromptRequest``s, rendered as the job renders them."""
+    from transformers import AutoTokenizer
+
+    from shared.data import read_rows
+    from shared.prompts import prompt_table
+    from shared.types import PromptRequest
+
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    rows = read_rows(cfg.data.parquet, spec.d_model)
+    table, (index,) = prompt_table([rows], tok, spec, cfg.rollout.prefill, cfg.data.parquet, False)
+    return [PromptRequest(int(rows.row_ids[i]), table[index[i]][0], table[index[i]][1], rows.activations[i].tolist())
+            for i in range(n)]
+
+
 def add_engine_options(ap) -> None:
     """``--engine-option KEY=VALUE``, for the benchmarks that run vLLM."""
     ap.add_argument("--engine-option", type=engine_option_arg, action="append", default=[], metavar="KEY=VALUE",

@@ -346,8 +346,8 @@ def shared_prompt_embeds_hashes(module=None) -> bool:
     """vLLM fans a request of ``n`` samples out into ``n`` engine requests that hold one and the same
     ``prompt_embeds`` tensor, and each of them hashes every full block of it (``_gen_prompt_embeds_extra_hash_keys``:
     SHA-256 of the block's rows, kept per request). At the 8B shape a 181-token prompt is 1.5 MB of rows, so a
-    64 x 8 rollout hashed 760 MB on the host before its first step, ~0.4 s (``benchmarks/prefix_hash_benchmark.py``),
-    eight times what its 64 prompts hold. This keeps the keys on the tensor itself, per block and per the
+    64 x 8 rollout hashed 760 MB on the host before its first step (0.47 s on 2 cores of an AMD EPYC,
+    ``benchmarks/prefix_hash_benchmark.py``), eight times what its 64 prompts hold. This keeps the keys on the tensor itself, per block and per the
     tensor's version counter (an in-place change to the rows is hashed anew), so the group's later samples
     reuse the first one's keys: the same bytes give the same SHA-256, so every block's key is what vLLM would
     have computed and the cache shares exactly what it shared before (``tests/test_rollout_prefix_cache.py``).
