@@ -31,6 +31,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+NONE_HASH_SET: list = []
+
+
 def admit(prompts: int, group: int, prompt_len: int, hidden: int, block: int, seed: int) -> tuple[float, list]:
     """Seconds to build ``prompts`` x ``group`` requests with their block hashes, and the hashes."""
     import torch
@@ -40,7 +43,11 @@ def admit(prompts: int, group: int, prompt_len: int, hidden: int, block: int, se
     from vllm.v1.request import Request
 
     hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
+    if not NONE_HASH_SET:
+        # once per process: without PYTHONHASHSEED vLLM 0.26 draws the first block's parent key at random on each
+        # call, and the two variants' keys could not be compared (seen on an H100 host, RESULTS.md §15)
+        init_none_hash(hash_fn)
+        NONE_HASH_SET.append(True)
     hasher = get_request_block_hasher(block, hash_fn)
     gen = torch.Generator().manual_seed(seed)
     embeds = [torch.randn(prompt_len, hidden, generator=gen).to(torch.bfloat16) for _ in range(prompts)]

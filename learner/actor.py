@@ -25,6 +25,9 @@ class LearnerActor:
     def update(self, samples, advantages, vectors) -> dict:
         return self.learner.update(samples, advantages, vectors)
 
+    def planned_tokens(self) -> tuple[int | None, int | None]:
+        return self.learner.planned_tokens()
+
     def logprobs(self, samples, vectors, adapter: str = "default") -> list[list[float]]:
         return self.learner.logprobs(samples, vectors, adapter)
 

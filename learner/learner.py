@@ -67,6 +67,14 @@ class Learner:
     def micro_batch_tokens(self, value: int | None) -> None:
         self.micro_batches.budget = value
 
+    def planned_tokens(self) -> tuple[int | None, int | None]:
+        """(the budget ``micro_batch: auto`` would plan with the memory free now, the one it keeps), both None
+        under a fixed micro-batch. The driver asks before the first step, the engines awake, to decide
+        ``rollout.sleep_during_update: auto`` (``shared.config.sleep_pays_for_budget``)."""
+        if self.cfg.learner.micro_batch != "auto":
+            return None, None
+        return self.micro_batches.plan_budget(self.params, self.optimizer), self.micro_batch_tokens
+
     def _micro_batches(self, items: list[Item], mine: bool = True):
         return self.micro_batches(items, self.params, self.optimizer, mine)
 

@@ -69,27 +69,32 @@ class MicroBatches:
         if self.cfg.learner.micro_batch != "auto":
             return None
         if self.budget is None:
-            from learner import kernels
-            from learner.memory_plan import plan_tokens
-            from learner.token_logprobs import CHUNK_BYTES
-
-            model = self.policy.model
-            elem = model.get_input_embeddings().weight.element_size()
-            # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
-            # needs a few chunks of fp32 logits besides the activations
-            reserve = 0 if optimizer.state else 3 * sum(p.numel() * p.element_size() for p in params)
-            # the policy's and the reference's adapter cast to the model dtype, held through the update (lora_compute)
-            reserve += 2 * sum(p.numel() for p in params) * elem
-            # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
-            if self.dp.world_size > 1:
-                reserve += 2 * sum(p.numel() * p.element_size() for p in params)
-            budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
-                                 self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
-                                 fused=self.policy.kernels in kernels.FUSED,
-                                 attention=self.policy.attention)
-            # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
-            self.budget = int(self.dp.min_value(budget, self.device))
+            self.budget = self.plan_budget(params, optimizer)
         return self.budget
+
+    def plan_budget(self, params, optimizer) -> int:
+        """The budget ``micro_batch: auto`` would choose with the memory free now (every data-parallel rank calls
+        it together); ``token_budget`` keeps the first one."""
+        from learner import kernels
+        from learner.memory_plan import plan_tokens
+        from learner.token_logprobs import CHUNK_BYTES
+
+        model = self.policy.model
+        elem = model.get_input_embeddings().weight.element_size()
+        # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
+        # needs a few chunks of fp32 logits besides the activations
+        reserve = 0 if optimizer.state else 3 * sum(p.numel() * p.element_size() for p in params)
+        # the policy's and the reference's adapter cast to the model dtype, held through the update (lora_compute)
+        reserve += 2 * sum(p.numel() for p in params) * elem
+        # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
+        if self.dp.world_size > 1:
+            reserve += 2 * sum(p.numel() * p.element_size() for p in params)
+        budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
+                             self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
+                             fused=self.policy.kernels in kernels.FUSED,
+                             attention=self.policy.attention)
+        # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows
+        return int(self.dp.min_value(budget, self.device))
 
     def plan(self, items: list[Item], budget: int | None) -> list:
         """The micro-batches one rank would run on ``items``, as ``(tokens, build)`` pairs: ``build()``

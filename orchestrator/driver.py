@@ -207,6 +207,24 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     return tmp
 
 
+def resolve_sleep(cfg, learner, log=print) -> bool:
+    """``rollout.sleep_during_update: auto`` decided with the services up and the engines awake: from the
+    micro-batch budget the learner would plan now (``shared.config.sleep_pays_for_budget``); logged once."""
+    from shared.config import SLEEP_BELOW_GROUPS, sleep_pays_for_budget
+
+    awake, kept = learner.planned_tokens()
+    sleep = sleep_pays_for_budget(cfg, awake, kept)
+    if awake is None:
+        log(f"[sleep] auto, fixed micro-batch: the engines {'sleep' if sleep else 'stay awake'} through the update")
+        return sleep
+    least = SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
+    why = (f"less than the {kept:,} it keeps" if kept is not None and kept > awake
+           else f"{'under' if awake < least else 'at least'} {SLEEP_BELOW_GROUPS} groups' responses, {least:,}")
+    log(f"[sleep] auto: with the engines awake the learner's micro-batch would hold {awake:,} tokens ({why}): "
+        f"the engines {'sleep' if sleep else 'stay awake'} through the update")
+    return sleep
+
+
 def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=print, wandb_run=None) -> dict:
     """Run steps until ``cfg.grpo.steps``; returns the last metrics row."""
     import torch
@@ -234,6 +252,9 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         run.truncate_logs(start)
         phase = "push"
         version = push()
+        if sleep == "auto":
+            phase = "plan"
+            sleep = resolve_sleep(cfg, services.learner, log)
     except BaseException as exc:
         raise _step_error(exc, start + 1, phase, services) from None
     asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through

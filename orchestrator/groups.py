@@ -120,6 +120,10 @@ class LearnerGroup(RankGroup):
     def update(self, samples, advantages, vectors) -> dict:
         return self._each("update", samples, advantages, vectors)[0]
 
+    def planned_tokens(self) -> tuple[int | None, int | None]:
+        """Every rank plans together (the smallest budget wins); rank 0's answer is theirs."""
+        return tuple(self._each("planned_tokens")[0])
+
 
 class CriticGroup(RankGroup):
     name = "critic"

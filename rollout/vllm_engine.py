@@ -134,7 +134,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         if total_bytes:
             kwargs.update(gpu_plan(cfg, dtype, total_bytes).engine_kwargs())
         kwargs.update(enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size)
-        if ro.sleep_during_update:
+        if ro.sleep_during_update:  # True, or auto: the driver decides at start, after the engines are built
             kwargs["enable_sleep_mode"] = True
     kwargs.update(ro.engine_options)
     return kwargs

@@ -157,9 +157,11 @@ class RolloutConfig(_Section):
     """Adapters an engine keeps registered; older versions are retired."""
     sleep_during_update: Union[Literal["auto"], bool] = "auto"
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
-    its micro-batches get the engine's share. auto = on where it was measured to pay: colocated vLLM without
-    grpo.overlap_rollout, more than ``SLEEP_PAYS_ABOVE`` samples a step (benchmarks/RESULTS.md §10) or more than one
-    engine."""
+    its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere):
+    decided once the services are up, from the micro-batch the learner would plan with the engines awake; they
+    sleep when it would hold fewer than ``SLEEP_BELOW_GROUPS`` groups' responses (``sleep_pays_for_budget``,
+    benchmarks/RESULTS.md §10, §15). With a fixed learner.micro_batch: above ``SLEEP_PAYS_ABOVE`` samples a step
+    or with more than one engine."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -528,8 +530,10 @@ class RunConfig(_Section):
             raise ValueError("\n".join(problems))
         if self.weight_sync.kind == "auto":
             self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
-        if self.rollout.sleep_during_update == "auto":
-            self.rollout.sleep_during_update = sleep_pays(self)
+        if self.rollout.sleep_during_update == "auto" and not sleep_can_pay(self):
+            self.rollout.sleep_during_update = False
+        elif self.rollout.sleep_during_update == "auto" and self.learner.micro_batch != "auto":
+            self.rollout.sleep_during_update = sleep_pays(self)  # no budget to measure: the batch decides
         return self
 
 
@@ -537,18 +541,44 @@ COLOCATED_MAX_ENGINES = 4
 """Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB of an H200's 141."""
 
 SLEEP_PAYS_ABOVE = 512
-"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape):
-at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell 8.5 s for 0.8 s of
-sleep and wake-up; at 64 x 8 the estimate is about even."""
+"""With a fixed ``learner.micro_batch``: samples per step above which sleeping a colocated engine through the update
+pays on one H200 (8B shape): at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell
+8.5 s for 0.8 s of sleep and wake-up; at 64 x 8 the estimate is about even."""
+
+SLEEP_BELOW_GROUPS = 4
+"""``sleep_during_update: auto`` with ``learner.micro_batch: auto``: the engines sleep through the update when the
+micro-batch the learner would plan with them awake holds fewer than this many groups' responses. Measured (8B shape,
+RESULTS.md §10-§15): on an H200, 64 x 8 awake planned 9,216 tokens (6 groups) and its update was fastest awake; 5,632
+tokens (4 groups) was about even with sleeping; 128 x 8 awake planned 4,096 (2 groups), 36.4 s against 27.9 s
+asleep. On an H100 (80 GB) 64 x 8 awake planned the 512-token floor and the update took 90.7 s."""
+
+
+def sleep_can_pay(cfg) -> bool:
+    """Whether sleeping can be chosen at all: colocated vLLM engines, no rollout overlapping the update."""
+    return cfg.placement.mode == "colocated" and cfg.rollout.backend == "vllm" and not cfg.grpo.overlap_rollout
 
 
 def sleep_pays(cfg) -> bool:
-    """``rollout.sleep_during_update: auto`` resolved: colocated vLLM, no overlapped rollout, and a batch above
+    """``rollout.sleep_during_update: auto`` with a fixed micro-batch: where sleeping can pay, a batch above
     ``SLEEP_PAYS_ABOVE`` samples or more than one engine. Two engines hold two copies of the weights through the
     update: at 64 x 8 that leaves the learner about the 4,096-token budget that made the awake 128 x 8 update
     30% slower than the asleep one (estimated from those figures, not run)."""
-    return (cfg.placement.mode == "colocated" and cfg.rollout.backend == "vllm" and not cfg.grpo.overlap_rollout
-            and (cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE or cfg.rollout.num_engines > 1))
+    return sleep_can_pay(cfg) and (cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE
+                                   or cfg.rollout.num_engines > 1)
+
+
+def sleep_pays_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> bool:
+    """``rollout.sleep_during_update: auto`` resolved once the services are up. ``awake_tokens``: the micro-batch
+    budget the learner would plan now, with the engines awake (None: it plans none, and the batch decides, as
+    ``sleep_pays``); ``kept_tokens``: the budget it already holds (a resumed run's), which must still fit. Sleep
+    when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses, or less than the kept one."""
+    if not sleep_can_pay(cfg):
+        return False
+    if awake_tokens is None:
+        return sleep_pays(cfg)
+    if kept_tokens is not None and kept_tokens > awake_tokens:
+        return True
+    return awake_tokens < SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
 
 
 def critic_rank(critic: CriticConfig) -> int | None:

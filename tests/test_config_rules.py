@@ -122,15 +122,71 @@ def test_each_weight_sync_variant_is_refused_where_it_cannot_run(raw, needle):
         build_config(ok)
 
 
+FIXED = {"micro_batch": 16}  # a fixed learner micro-batch: no budget to measure, the batch decides
+
+
 @pytest.mark.parametrize("raw, sleeps", [
-    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), True),     # 1,024 samples: pays
-    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}), False),     # 512: about even, stays awake
-    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "num_engines": 2}), True),  # two copies
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), "auto"),   # decided at start, measured
+    (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8}), "auto"),
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}, learner=FIXED), True),   # 1,024 samples
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}, learner=FIXED), False),   # 512: about even
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "num_engines": 2}, learner=FIXED), True),
     ({"grpo": {"prompts_per_step": 64}, "rollout": {"group_size": 8, "num_engines": 2}}, False),  # CPU engines
     (_with(GPU, grpo={"prompts_per_step": 128, "overlap_rollout": True}, rollout={"group_size": 8}), False),
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8, "backend": "hf"}), False),
     ({"grpo": {"prompts_per_step": 128}, "rollout": {"group_size": 8}}, False),        # the CPU placement
     (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8, "sleep_during_update": True}), True),
     (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8, "sleep_during_update": False}), False),
 ])
-def test_sleep_during_update_auto_sleeps_where_it_was_measured_to_pay(raw, sleeps):
-    assert RunConfig.model_validate(raw).rollout.sleep_during_update is sleeps
+def test_sleep_during_update_auto_is_left_to_the_start_only_where_sleeping_can_pay(raw, sleeps):
+    assert RunConfig.model_validate(raw).rollout.sleep_during_update == sleeps
+    assert type(RunConfig.model_validate(raw).rollout.sleep_during_update) is type(sleeps)
+
+
+@pytest.mark.parametrize("awake, kept, sleeps", [
+    (512, None, True),      # an H100's 64 x 8 with the engine awake: the budget's floor (RESULTS.md §15)
+    (4096, None, True),     # an H200's 128 x 8 awake: two groups
+    (4800, None, False),    # exactly four groups' responses (4 x 8 x 150)
+    (9216, None, False),    # an H200's 64 x 8 awake: six groups, fastest awake
+    (9216, 14336, True),    # a resumed run keeps the budget it planned asleep: awake it would not fit
+    (9216, 9216, False),
+])
+def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, sleeps):
+    from shared.config import sleep_pays_for_budget
+
+    cfg = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "max_new_tokens": 150}))
+    assert sleep_pays_for_budget(cfg, awake, kept) is sleeps
+    # nothing to sleep for where sleeping cannot pay, whatever the budget
+    split = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64, "overlap_rollout": True}))
+    assert sleep_pays_for_budget(split, awake, kept) is False
+
+
+def test_sleep_auto_without_a_budget_falls_back_to_the_batch():
+    from shared.config import sleep_pays_for_budget
+
+    big = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}))
+    small = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}))
+    assert sleep_pays_for_budget(big, None) is True and sleep_pays_for_budget(small, None) is False
+
+
+class _Learner:
+    def __init__(self, awake, kept):
+        self.answer = (awake, kept)
+
+    def planned_tokens(self):
+        return self.answer
+
+
+@pytest.mark.parametrize("awake, kept, sleeps, says", [
+    (512, None, True, "would hold 512 tokens (under 4 groups' responses, 4,800): the engines sleep"),
+    (9216, None, False, "would hold 9,216 tokens (at least 4 groups' responses, 4,800): the engines stay awake"),
+    (9216, 14336, True, "would hold 9,216 tokens (less than the 14,336 it keeps): the engines sleep"),
+    (None, None, False, "fixed micro-batch: the engines stay awake"),
+])
+def test_the_driver_decides_sleep_auto_from_the_learners_budget_and_says_why(awake, kept, sleeps, says):
+    from orchestrator.driver import resolve_sleep
+
+    cfg = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "max_new_tokens": 150}))
+    lines = []
+    assert resolve_sleep(cfg, _Learner(awake, kept), lines.append) is sleeps
+    assert len(lines) == 1 and lines[0].startswith("[sleep] auto") and says in lines[0]

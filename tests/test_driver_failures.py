@@ -39,6 +39,13 @@ class FakeLearner:
     def checksum(self):
         return [self.step, self.version]
 
+    def planned_tokens(self):
+        self.planned = getattr(self, "planned", 0) + 1
+        return 512 * (1 + getattr(self, "rank", 0)), None
+
+    def times_planned(self):
+        return getattr(self, "planned", 0)
+
     def export_adapter(self):
         return AdapterUpdate(self.version, {}, {})  # stands in for the message: the engines read its version
 
@@ -195,6 +202,13 @@ def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_pa
         group.save(str(tmp_path / "differs"))
     assert str(exc.value).startswith("learner rank 1 of 2 disagrees with rank 0 at a checkpoint") and "\n" not in str(exc.value)
     assert not (tmp_path / "differs").exists()  # nothing written
+
+
+def test_every_learner_rank_plans_its_budget_together_and_rank_0_answers(ray_local):
+    a, b = ray_local.remote(FakeLearner).remote(), ray_local.remote(FakeLearner).remote()
+    group = LearnerGroup([a, b])
+    assert group.planned_tokens() == (512, None)  # rank 0's answer (real ranks agree: they take the minimum together)
+    assert ray_local.get([a.times_planned.remote(), b.times_planned.remote()]) == [1, 1]
 
 
 def test_an_error_inside_an_actor_is_its_cause_in_one_line(ray_local, tiny_dir, tmp_path):

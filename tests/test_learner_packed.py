@@ -62,8 +62,10 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
+    assert learner.planned_tokens() == (CPU_MAX_TOKENS, None)  # what it would plan now; nothing kept yet
     m = learner.update(samples, _adv(len(samples)), vectors)
     assert m["learner/micro_batch_tokens"] == learner.micro_batch_tokens == CPU_MAX_TOKENS
+    assert learner.planned_tokens() == (CPU_MAX_TOKENS, CPU_MAX_TOKENS)
     assert m["learner/tokens_per_s"] > 0 and m["learner/tflops_effective"] > 0
     assert m["learner/tflops_effective"] * 1e12 / m["learner/tokens_per_s"] == pytest.approx(6 * learner.base_params, rel=1e-6)
     assert learner.base_params == sum(p.numel() for n, p in learner.model.named_parameters() if "lora_" not in n)
@@ -72,6 +74,7 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
     fresh = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2), load_tiny_spec(tiny_dir))
     fresh.load(tmp_path / "ckpt")
     assert fresh.micro_batch_tokens == 4096
+    assert fresh.planned_tokens() == (CPU_MAX_TOKENS, 4096)  # a resumed run's budget, beside what memory allows now
 
 
 @pytest.mark.parametrize("kernels,attention,counted", [("none", "sdpa", (False, "sdpa")), ("compile", "sdpa", (True, "sdpa")),
@@ -83,7 +86,9 @@ def test_the_auto_budget_counts_what_the_kernels_keep(tiny_dir, monkeypatch, ker
     monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append((k["fused"], k["attention"])) or 4096)
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", kernels=kernels, attention=attention),
                       load_tiny_spec(tiny_dir))
-    assert learner.micro_batches.token_budget(learner.params, learner.optimizer) == 4096 and seen == [counted]
+    assert learner.planned_tokens() == (4096, None)  # planned, not kept
+    assert learner.micro_batches.token_budget(learner.params, learner.optimizer) == 4096 and seen == [counted, counted]
+    assert learner.micro_batch_tokens == 4096
 
 
 def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):

@@ -145,6 +145,12 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
     nf4 = build_config({"model": {**model, "quantization": "nf4", "dtype": "bfloat16"}, "placement": {"mode": "colocated"}})
     assert engine_kwargs(nf4, "cuda", torch.bfloat16)["quantization"] == "bitsandbytes"
     assert "quantization" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
+    # sleep auto, colocated: decided at start, after the engine is built, so the engine can sleep; elsewhere it cannot
+    assert nf4.rollout.sleep_during_update == "auto" and engine_kwargs(nf4, "cuda", torch.bfloat16)["enable_sleep_mode"]
+    awake = build_config({"model": {**model, "dtype": "bfloat16"}, "placement": {"mode": "colocated"},
+                          "rollout": {"sleep_during_update": False}})
+    assert "enable_sleep_mode" not in engine_kwargs(awake, "cuda", torch.bfloat16)
+    assert "enable_sleep_mode" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
     # rollout.engine_options come last and win
     cfg = build_config({"model": model, "rollout": {"engine_options": {"enforce_eager": True, "max_num_batched_tokens": 64}}})
     kw = engine_kwargs(cfg, "cuda", torch.bfloat16)
