@@ -23,6 +23,7 @@ device time per step by kind of kernel (``gpu_timeline``), to set against the pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -141,6 +142,25 @@ class CallTimers:
         return {f"cpu_ms_per_step/{k}": 1e3 * v / max(steps, 1) for k, v in sorted(s.items())}
 
 
+MODES = ("shared", "unshared", "unseeded", "nologprobs", "dictlogprobs", "vllmlogprobs")
+
+
+@contextlib.contextmanager
+def vllm_own_logprobs_loop():
+    """vLLM's own ``_update_sample_logprobs`` for the duration (``vllm_compat.lean_sampled_logprobs`` undone)."""
+    from vllm.v1.engine import logprobs as module
+
+    cls = module.LogprobsProcessor
+    lean = cls.__dict__["_update_sample_logprobs"]
+    if not getattr(lean, "lean", False):
+        raise SystemExit("--modes vllmlogprobs: the engine's lean logprobs path is not in place")
+    cls._update_sample_logprobs = lean.__wrapped__
+    try:
+        yield
+    finally:
+        cls._update_sample_logprobs = lean
+
+
 def random_update(cfg, shape: dict, layers: int, device: str):
     """A LoRA of the run's rank on every linear of the 8B shape, PEFT's key names, random A and B."""
     import torch
@@ -202,7 +222,9 @@ def main() -> int:
                     help="shared (the job's engine), unshared (every sample its own prompt), unseeded (shared, no "
                          "per-request seeds: vLLM then samples the batch in one kernel instead of a loop over requests), "
                          "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side), "
-                         "dictlogprobs (shared, the logprobs in vLLM's default per-token dicts, not flat lists)")
+                         "dictlogprobs (shared, the logprobs in vLLM's default per-token dicts, not flat lists), "
+                         "vllmlogprobs (shared, vLLM's own loop over each logprob entry instead of "
+                         "vllm_compat.lean_sampled_logprobs)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
     ap.add_argument("--profile", help="write the torch-profiler kernel table of one more generate of the first batch "
                                       "here (the JSON gets its timeline and device time by kind of kernel)")
@@ -303,8 +325,11 @@ def main() -> int:
                     flat, engine._flat = engine._flat, {}
                     engine.generate(reqs[:n], seed=rep, ignore_eos=True)
                     engine._flat = flat
+                elif mode == "vllmlogprobs":  # the job's engine with vLLM's own loop over each logprob entry
+                    with vllm_own_logprobs_loop():
+                        engine.generate(reqs[:n], seed=rep, ignore_eos=True)
                 else:
-                    raise SystemExit(f"--modes: expected shared, unshared or unseeded, found {mode!r}")
+                    raise SystemExit(f"--modes: expected one of {', '.join(MODES)}, found {mode!r}")
                 sync()
                 end = time.perf_counter()
                 wall = end - t

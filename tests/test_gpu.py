@@ -431,6 +431,9 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
         # the group's samples take one hash per prompt block (vllm_compat.shared_prompt_embeds_hashes), and the
         # hit pattern below is what vLLM's own keys give
         assert getattr(kv_cache_utils._gen_prompt_embeds_extra_hash_keys, "shared_per_tensor", False)
+        # and the sampled tokens' logprobs whose mismatch is measured below came through the lean path
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+        assert getattr(LogprobsProcessor._update_sample_logprobs, "lean", False)
         engine.load_adapter(learner.export_adapter(device="same"))
         batch = twin_batch(tiny_bf16_dir, engine, block)
         hits = cache_hits(engine)

@@ -101,12 +101,55 @@ def test_the_plugin_patches_only_this_projects_engines(monkeypatch):
     monkeypatch.setattr(compat, "skip_router_gemm_warmup", lambda: calls.append("warmup") or True)
     monkeypatch.setattr(compat, "batched_seeded_sampling", lambda: calls.append("sampler") or True)
     monkeypatch.setattr(compat, "shared_prompt_embeds_hashes", lambda: calls.append("hashes") or True)
+    monkeypatch.setattr(compat, "lean_sampled_logprobs", lambda: calls.append("logprobs") or True)
     monkeypatch.delenv(compat.OUR_ENGINE, raising=False)
     register()
     assert calls == []
     monkeypatch.setenv(compat.OUR_ENGINE, "1")
     register()
-    assert calls == ["warmup", "sampler", "hashes"]
+    assert calls == ["warmup", "sampler", "hashes", "logprobs"]
+
+
+def test_the_lean_logprobs_path_keeps_what_vllms_own_keeps():
+    """Step after step, with one position or several, with more columns than the request asked for (another
+    request in the batch wanted top-k): the patched processor's flat lists and cumulative logprob equal vLLM's
+    own, bit for bit. Requests it does not cover (top-k, per-token dicts) go through vLLM's own method."""
+    import copy
+    import types
+
+    import numpy as np
+    from rollout.vllm_compat import lean_sampled_logprobs
+    from vllm.logprobs import FlatLogprobs
+    from vllm.v1.engine import logprobs as module
+    from vllm.v1.outputs import LogprobsLists
+
+    own = module.LogprobsProcessor._update_sample_logprobs
+    own = getattr(own, "__wrapped__", own)  # the engines' patch may already be in this process
+    patched = types.SimpleNamespace(LogprobsProcessor=type("P", (module.LogprobsProcessor,), {"_update_sample_logprobs": own}),
+                                    FlatLogprobs=FlatLogprobs)
+    assert lean_sampled_logprobs(patched) and not lean_sampled_logprobs(patched)  # once is enough
+    rng = np.random.default_rng(0)
+
+    def steps(columns):
+        for positions in (1, 1, 3, 1, 2):
+            yield LogprobsLists(rng.integers(0, 151936, (positions, columns)), rng.standard_normal((positions, columns)).astype(np.float32),
+                                rng.integers(1, 9, positions))
+
+    for num_logprobs, flat, columns in ((0, True, 1), (0, True, 4), (2, True, 3), (0, False, 1)):
+        start = dict(tokenizer=None, logprobs=FlatLogprobs() if flat else [], prompt_logprobs=None, cumulative_logprob=0.0,
+                     num_logprobs=num_logprobs, num_prompt_logprobs=None)
+        theirs, ours = module.LogprobsProcessor(**copy.deepcopy(start)), patched.LogprobsProcessor(**copy.deepcopy(start))
+        for step in steps(columns):
+            own(theirs, step)
+            ours._update_sample_logprobs(step)
+        assert ours.cumulative_logprob == theirs.cumulative_logprob
+        if flat:
+            for field in ("start_indices", "end_indices", "token_ids", "logprobs", "ranks", "decoded_tokens"):
+                assert getattr(ours.logprobs, field) == getattr(theirs.logprobs, field), field
+            assert all(type(x) is float for x in ours.logprobs.logprobs) and all(type(x) is int for x in ours.logprobs.token_ids)
+        else:
+            assert ours.logprobs == theirs.logprobs
+    assert not lean_sampled_logprobs(types.SimpleNamespace())  # gone in some version: nothing to do
 
 
 def test_a_groups_samples_share_their_prompts_block_keys():
