@@ -61,6 +61,22 @@ def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypat
     assert max_abs_diff(twin, hf.recompute_logprobs(twin, vectors_of(twin, [batch[1]]))) > 1e-3
 
 
+def test_the_lean_logprobs_path_changes_no_token_and_no_logprob(engines, tiny_dir, monkeypatch):
+    """The engine's lean sampled-logprobs path (``vllm_compat.lean_sampled_logprobs``) is in place, and vLLM's own
+    gives the same tokens and the same logprobs, bit for bit, in a real engine."""
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    engine, _ = engines
+    lean = LogprobsProcessor._update_sample_logprobs
+    assert getattr(lean, "lean", False)  # the engine applied it
+    batch = twin_batch(tiny_dir, engine, BLOCK)
+    ours = engine.generate(batch, seed=11, ignore_eos=True)
+    monkeypatch.setattr(LogprobsProcessor, "_update_sample_logprobs", lean.__wrapped__)
+    theirs = engine.generate(batch, seed=11, ignore_eos=True)
+    assert [s.response_ids for s in ours] == [s.response_ids for s in theirs]
+    assert [s.logprobs for s in ours] == [s.logprobs for s in theirs] and any(s.logprobs for s in ours)
+
+
 def test_a_groups_samples_hash_their_shared_prompt_once(engines, tiny_dir, monkeypatch):
     """vLLM fans a request out into its samples, one prompt-embeddings tensor among them, and hashes every
     full block of it per sample; the engine's patch (``vllm_compat.shared_prompt_embeds_hashes``) hashes each
