@@ -97,8 +97,9 @@ def main() -> int:
     ap.add_argument("--out", default="benchmarks/results/h200-job.json")
     ap.add_argument("--reference", help="step_benchmark.py JSON with a reference-style step from this machine")
     ap.add_argument("--sleep", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
-                    help="rollout.sleep_during_update (colocated only): auto, the config's default, sleeps when the "
-                         "learner's micro-batch with the engines awake would hold under 4 groups; a bare --sleep is on")
+                    help="rollout.sleep_during_update (colocated only): auto, the config's default, sleeps above 512 "
+                         "samples a step, or when the learner's micro-batch with the engines awake would hold under 4 "
+                         "groups; a bare --sleep is on")
     ap.add_argument("--overlap", action="store_true", help="grpo.overlap_rollout: next rollout during the update")
     for flag, choices, default, text in CHOICES:
         ap.add_argument(flag, choices=choices, default=default, help=text)

@@ -208,20 +208,21 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
 
 
 def resolve_sleep(cfg, learner, log=print) -> bool:
-    """``rollout.sleep_during_update: auto`` decided with the services up and the engines awake: from the
-    micro-batch budget the learner would plan now (``shared.config.sleep_pays_for_budget``); logged once."""
+    """``rollout.sleep_during_update: auto`` left to the start (the batch alone does not call for sleeping): decided
+    with the services up and the engines awake, from the micro-batch budget the learner would plan now
+    (``shared.config.sleep_pays_for_budget``); logged once."""
     from shared.config import SLEEP_BELOW_GROUPS, sleep_pays_for_budget
 
     awake, kept = learner.planned_tokens()
     sleep = sleep_pays_for_budget(cfg, awake, kept)
+    verdict = f"the engines {'sleep' if sleep else 'stay awake'} through the update"
     if awake is None:
-        log(f"[sleep] auto, fixed micro-batch: the engines {'sleep' if sleep else 'stay awake'} through the update")
+        log(f"[sleep] auto, fixed micro-batch: {verdict}")
         return sleep
     least = SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
     why = (f"less than the {kept:,} it keeps" if kept is not None and kept > awake
            else f"{'under' if awake < least else 'at least'} {SLEEP_BELOW_GROUPS} groups' responses, {least:,}")
-    log(f"[sleep] auto: with the engines awake the learner's micro-batch would hold {awake:,} tokens ({why}): "
-        f"the engines {'sleep' if sleep else 'stay awake'} through the update")
+    log(f"[sleep] auto: with the engines awake the learner's micro-batch would hold {awake:,} tokens ({why}): {verdict}")
     return sleep
 
 

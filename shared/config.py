@@ -157,11 +157,10 @@ class RolloutConfig(_Section):
     """Adapters an engine keeps registered; older versions are retired."""
     sleep_during_update: Union[Literal["auto"], bool] = "auto"
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
-    its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere):
-    decided once the services are up, from the micro-batch the learner would plan with the engines awake; they
-    sleep when it would hold fewer than ``SLEEP_BELOW_GROUPS`` groups' responses (``sleep_pays_for_budget``,
-    benchmarks/RESULTS.md §10, §15). With a fixed learner.micro_batch: above ``SLEEP_PAYS_ABOVE`` samples a step
-    or with more than one engine."""
+    its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere): on
+    above ``SLEEP_PAYS_ABOVE`` samples a step or with more than one engine (benchmarks/RESULTS.md §10), and, with
+    learner.micro_batch auto, also when the micro-batch the learner would plan with the engines awake holds fewer
+    than ``SLEEP_BELOW_GROUPS`` groups' responses, decided once the services are up (``sleep_pays_for_budget``, §15)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -532,8 +531,8 @@ class RunConfig(_Section):
             self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
         if self.rollout.sleep_during_update == "auto" and not sleep_can_pay(self):
             self.rollout.sleep_during_update = False
-        elif self.rollout.sleep_during_update == "auto" and self.learner.micro_batch != "auto":
-            self.rollout.sleep_during_update = sleep_pays(self)  # no budget to measure: the batch decides
+        elif self.rollout.sleep_during_update == "auto" and (self.learner.micro_batch != "auto" or sleep_pays(self)):
+            self.rollout.sleep_during_update = sleep_pays(self)  # the batch decides; no budget to measure
         return self
 
 
@@ -546,11 +545,11 @@ pays on one H200 (8B shape): at 128 x 8 the learner's micro-batch grew from 4,09
 8.5 s for 0.8 s of sleep and wake-up; at 64 x 8 the estimate is about even."""
 
 SLEEP_BELOW_GROUPS = 4
-"""``sleep_during_update: auto`` with ``learner.micro_batch: auto``: the engines sleep through the update when the
-micro-batch the learner would plan with them awake holds fewer than this many groups' responses. Measured (8B shape,
-RESULTS.md §10-§15): on an H200, 64 x 8 awake planned 9,216 tokens (6 groups) and its update was fastest awake; 5,632
-tokens (4 groups) was about even with sleeping; 128 x 8 awake planned 4,096 (2 groups), 36.4 s against 27.9 s
-asleep. On an H100 (80 GB) 64 x 8 awake planned the 512-token floor and the update took 90.7 s."""
+"""``sleep_during_update: auto`` with ``learner.micro_batch: auto``: besides where ``sleep_pays`` says so, the engines
+sleep through the update when the micro-batch the learner would plan with them awake holds fewer than this many
+groups' responses. On an H100 (80 GB, 8B shape, RESULTS.md §15) 64 x 8 awake planned the 512-token floor and the update
+took 90.7 s; on an H200 the same batch planned 9,216 tokens awake (six groups) and updated fastest awake (§13), and
+5,632 tokens (four groups) was about even with sleeping (§10)."""
 
 
 def sleep_can_pay(cfg) -> bool:
@@ -569,12 +568,13 @@ def sleep_pays(cfg) -> bool:
 
 def sleep_pays_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> bool:
     """``rollout.sleep_during_update: auto`` resolved once the services are up. ``awake_tokens``: the micro-batch
-    budget the learner would plan now, with the engines awake (None: it plans none, and the batch decides, as
-    ``sleep_pays``); ``kept_tokens``: the budget it already holds (a resumed run's), which must still fit. Sleep
-    when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses, or less than the kept one."""
+    budget the learner would plan now, with the engines awake (None: it plans none); ``kept_tokens``: the budget it
+    already holds (a resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``,
+    measured on an H200), and also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses
+    or less than the kept one."""
     if not sleep_can_pay(cfg):
         return False
-    if awake_tokens is None:
+    if sleep_pays(cfg) or awake_tokens is None:
         return sleep_pays(cfg)
     if kept_tokens is not None and kept_tokens > awake_tokens:
         return True

@@ -126,8 +126,9 @@ FIXED = {"micro_batch": 16}  # a fixed learner micro-batch: no budget to measure
 
 
 @pytest.mark.parametrize("raw, sleeps", [
-    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), "auto"),   # decided at start, measured
-    (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8}), "auto"),
+    (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}), True),     # 1,024 samples: pays (H200)
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}), "auto"),    # decided at start, measured
+    (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "num_engines": 2}), True),  # two copies
     (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}, learner=FIXED), True),   # 1,024 samples
     (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}, learner=FIXED), False),   # 512: about even
     (_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "num_engines": 2}, learner=FIXED), True),
@@ -138,7 +139,7 @@ FIXED = {"micro_batch": 16}  # a fixed learner micro-batch: no budget to measure
     (_with(GPU, grpo={"prompts_per_step": 8}, rollout={"group_size": 8, "sleep_during_update": True}), True),
     (_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8, "sleep_during_update": False}), False),
 ])
-def test_sleep_during_update_auto_is_left_to_the_start_only_where_sleeping_can_pay(raw, sleeps):
+def test_sleep_during_update_auto_is_left_to_the_start_only_where_the_batch_does_not_decide(raw, sleeps):
     assert RunConfig.model_validate(raw).rollout.sleep_during_update == sleeps
     assert type(RunConfig.model_validate(raw).rollout.sleep_during_update) is type(sleeps)
 
@@ -159,6 +160,9 @@ def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, slee
     # nothing to sleep for where sleeping cannot pay, whatever the budget
     split = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64, "overlap_rollout": True}))
     assert sleep_pays_for_budget(split, awake, kept) is False
+    # where the batch rule was measured to pay (an H200 at 128 x 8), a roomy budget does not undo it
+    big = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}))
+    assert sleep_pays_for_budget(big, awake, kept) is True
 
 
 def test_sleep_auto_without_a_budget_falls_back_to_the_batch():
