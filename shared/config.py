@@ -540,8 +540,7 @@ COLOCATED_MAX_ENGINES = 4
 """Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB of an H200's 141."""
 
 SLEEP_PAYS_ABOVE = 512
-"""With a fixed ``learner.micro_batch``: samples per step above which sleeping a colocated engine through the update
-pays on one H200 (8B shape): at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell
+"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape): at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell
 8.5 s for 0.8 s of sleep and wake-up; at 64 x 8 the estimate is about even."""
 
 SLEEP_BELOW_GROUPS = 4
@@ -558,8 +557,8 @@ def sleep_can_pay(cfg) -> bool:
 
 
 def sleep_pays(cfg) -> bool:
-    """``rollout.sleep_during_update: auto`` with a fixed micro-batch: where sleeping can pay, a batch above
-    ``SLEEP_PAYS_ABOVE`` samples or more than one engine. Two engines hold two copies of the weights through the
+    """``rollout.sleep_during_update: auto``'s batch rule, known from the config alone: where sleeping can pay, a batch
+    above ``SLEEP_PAYS_ABOVE`` samples or more than one engine. Two engines hold two copies of the weights through the
     update: at 64 x 8 that leaves the learner about the 4,096-token budget that made the awake 128 x 8 update
     30% slower than the asleep one (estimated from those figures, not run)."""
     return sleep_can_pay(cfg) and (cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE
