@@ -31,24 +31,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-NONE_HASH_SET: list = []
-
-
 def admit(prompts: int, group: int, prompt_len: int, hidden: int, block: int, seed: int) -> tuple[float, list]:
     """Seconds to build ``prompts`` x ``group`` requests with their block hashes, and the hashes."""
     import torch
     from vllm import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name("sha256")
-    if not NONE_HASH_SET:
-        # once per process: without PYTHONHASHSEED vLLM 0.26 draws the first block's parent key at random on each
-        # call, and the two variants' keys could not be compared (seen on an H100 host, RESULTS.md §15)
-        init_none_hash(hash_fn)
-        NONE_HASH_SET.append(True)
-    hasher = get_request_block_hasher(block, hash_fn)
+    hasher = get_request_block_hasher(block, get_hash_fn_by_name("sha256"))
     gen = torch.Generator().manual_seed(seed)
     embeds = [torch.randn(prompt_len, hidden, generator=gen).to(torch.bfloat16) for _ in range(prompts)]
     params = SamplingParams(max_tokens=150, logprobs=0)
@@ -161,6 +152,11 @@ def main() -> int:
     own = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     if getattr(own, "shared_per_tensor", False):
         raise SystemExit("vLLM's hashing is already patched in this process; run the script on its own")
+    # the first block's parent key, once for the process: without PYTHONHASHSEED vLLM 0.26 draws it at random on each
+    # call, and the two variants' keys could not be compared (seen on an H100 host, RESULTS.md §15)
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    kv_cache_utils.init_none_hash(get_hash_fn_by_name("sha256"))
     runs = []
     for n in (int(b) for b in args.batches.split(",")):
         row = {"prompts": n, "group": args.group}

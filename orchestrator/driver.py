@@ -211,7 +211,7 @@ def resolve_sleep(cfg, learner, log=print) -> bool:
     """``rollout.sleep_during_update: auto`` left to the start (the batch alone does not call for sleeping): decided
     with the services up and the engines awake, from the micro-batch budget the learner would plan now
     (``shared.config.sleep_pays_for_budget``); logged once."""
-    from shared.config import SLEEP_BELOW_GROUPS, sleep_pays_for_budget
+    from shared.config import SLEEP_BELOW_GROUPS, least_awake_tokens, sleep_pays_for_budget
 
     awake, kept = learner.planned_tokens()
     sleep = sleep_pays_for_budget(cfg, awake, kept)
@@ -219,7 +219,7 @@ def resolve_sleep(cfg, learner, log=print) -> bool:
     if awake is None:
         log(f"[sleep] auto, fixed micro-batch: {verdict}")
         return sleep
-    least = SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
+    least = least_awake_tokens(cfg)
     why = (f"less than the {kept:,} it keeps" if kept is not None and kept > awake
            else f"{'under' if awake < least else 'at least'} {SLEEP_BELOW_GROUPS} groups' responses, {least:,}")
     log(f"[sleep] auto: with the engines awake the learner's micro-batch would hold {awake:,} tokens ({why}): {verdict}")

@@ -529,10 +529,10 @@ class RunConfig(_Section):
             raise ValueError("\n".join(problems))
         if self.weight_sync.kind == "auto":
             self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
-        if self.rollout.sleep_during_update == "auto" and not sleep_can_pay(self):
-            self.rollout.sleep_during_update = False
-        elif self.rollout.sleep_during_update == "auto" and (self.learner.micro_batch != "auto" or sleep_pays(self)):
-            self.rollout.sleep_during_update = sleep_pays(self)  # the batch decides; no budget to measure
+        # auto: the batch decides where it can (or where there is no budget to measure); else the start does
+        if self.rollout.sleep_during_update == "auto" and (
+                sleep_pays(self) or not sleep_can_pay(self) or self.learner.micro_batch != "auto"):
+            self.rollout.sleep_during_update = sleep_pays(self)
         return self
 
 
@@ -540,15 +540,21 @@ COLOCATED_MAX_ENGINES = 4
 """Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB of an H200's 141."""
 
 SLEEP_PAYS_ABOVE = 512
-"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape): at 128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell
-8.5 s for 0.8 s of sleep and wake-up; at 64 x 8 the estimate is about even."""
+"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape): at
+128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell 8.5 s for 0.8 s of sleep and
+wake-up; at 64 x 8 the estimate is about even."""
 
 SLEEP_BELOW_GROUPS = 4
 """``sleep_during_update: auto`` with ``learner.micro_batch: auto``: besides where ``sleep_pays`` says so, the engines
 sleep through the update when the micro-batch the learner would plan with them awake holds fewer than this many
 groups' responses. On an H100 (80 GB, 8B shape, RESULTS.md §15) 64 x 8 awake planned the 512-token floor and the update
-took 90.7 s; on an H200 the same batch planned 9,216 tokens awake (six groups) and updated fastest awake (§13), and
-5,632 tokens (four groups) was about even with sleeping (§10)."""
+took 90.7 s; on an H200 the same batch planned 9,216 tokens awake (six groups, §13), and at 5,632 tokens (four groups)
+sleeping was estimated about even (§10, from the measured rates, not run)."""
+
+
+def least_awake_tokens(cfg) -> int:
+    """The smallest awake micro-batch budget that keeps the engines awake: ``SLEEP_BELOW_GROUPS`` groups' responses."""
+    return SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
 
 
 def sleep_can_pay(cfg) -> bool:
@@ -571,13 +577,9 @@ def sleep_pays_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None
     already holds (a resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``,
     measured on an H200), and also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses
     or less than the kept one."""
-    if not sleep_can_pay(cfg):
-        return False
-    if sleep_pays(cfg) or awake_tokens is None:
+    if sleep_pays(cfg) or not sleep_can_pay(cfg) or awake_tokens is None:
         return sleep_pays(cfg)
-    if kept_tokens is not None and kept_tokens > awake_tokens:
-        return True
-    return awake_tokens < SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
+    return (kept_tokens is not None and kept_tokens > awake_tokens) or awake_tokens < least_awake_tokens(cfg)
 
 
 def critic_rank(critic: CriticConfig) -> int | None:
