@@ -1,7 +1,8 @@
 """What the batched seeded sampler costs the host per decode step, on a CUDA device (median of 50 calls).
 
 ``walk``: ``rollout.seeded_noise.generator_positions`` over vLLM-like per-request CUDA generators (seed, offset,
-offset moved on); ``walk_lean``: the same walk as one list comprehension per field (a candidate, not used);
+offset moved on; one pass per field since RESULTS.md §16); ``walk_one_loop``: the same walk as one loop doing all
+three per row (the function before §16; in §16's JSON the two appear as ``walk`` and ``walk_lean``);
 ``noise_like``: the whole of ``seeded_noise_like`` (the walk, the keys' copies to the device
 and the kernel's launch; the GPU's own time is not counted).
 
@@ -32,16 +33,18 @@ def median_ms(fn, reps: int = 50) -> float:
     return round(sorted(times)[reps // 2] * 1e3, 3)
 
 
-def walk_lean(generators: dict):
-    """``generator_positions`` with the same result, one pass per field."""
+def walk_one_loop(generators: dict):
+    """``generator_positions`` as it was before §16: one loop over the rows doing all three calls."""
     from rollout.seeded_noise import OFFSET_STEP
 
-    rows = sorted(generators)
-    gens = [generators[r] for r in rows]
-    seeds = [s - 2 ** 64 if s >= 2 ** 63 else s for s in (g.initial_seed() for g in gens)]
-    positions = [g.get_offset() for g in gens]
-    for g, offset in zip(gens, positions):
-        g.set_offset(offset + OFFSET_STEP)
+    rows, seeds, positions = [], [], []
+    for row, gen in sorted(generators.items()):
+        rows.append(row)
+        seed = gen.initial_seed()
+        seeds.append(seed - 2 ** 64 if seed >= 2 ** 63 else seed)
+        offset = gen.get_offset()
+        gen.set_offset(offset + OFFSET_STEP)
+        positions.append(offset)
     return rows, seeds, positions
 
 
@@ -57,7 +60,7 @@ def main() -> int:
         gens = {i: torch.Generator(device="cuda").manual_seed(1000 + i) for i in range(rows)}
         probs = torch.rand(rows, 151936, device="cuda").softmax(-1)
         out[f"walk_{rows}_ms"] = median_ms(lambda: generator_positions(gens))
-        out[f"walk_lean_{rows}_ms"] = median_ms(lambda: walk_lean(gens))
+        out[f"walk_one_loop_{rows}_ms"] = median_ms(lambda: walk_one_loop(gens))
         out[f"noise_like_{rows}_ms"] = median_ms(lambda: seeded_noise_like(probs, gens))
     print(json.dumps(out))
     return 0
