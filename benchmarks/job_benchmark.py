@@ -54,7 +54,7 @@ def job_config(root: Path, args) -> dict:
                     "cap_is_failure": False, "gpu_memory_utilization": "auto" if split else args.vllm_mem,
                     "max_num_seqs": "auto", "max_loras": 2, "prefix_caching": not args.no_prefix_caching, "lora": args.lora,
                     "sleep_during_update": {"on": True, "off": False}.get(args.sleep, "auto"), "engine_core": args.engine_core,
-                    "num_engines": args.engines, "engine_options": dict(args.engine_option)},
+                    "num_engines": args.engines, "vector_input": args.vector_input, "engine_options": dict(args.engine_option)},
         "critic": {"num_layers": args.critic_layers, "micro_batch": 64, "max_prompt_tokens": 1024, "train": False},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16, "use_rslora": True, "micro_batch": args.micro_batch,
                     "lr": 1e-6, "optimizer": args.optimizer, "nf4_fp32_modules": args.nf4_fp32_modules,
@@ -85,6 +85,8 @@ CHOICES = [
      "learner.attention (auto: varlen on a GPU in 16 bits, else flex; varlen: flash-attention's variable-length kernel, a segment per response)"),
     ("--engine-core", ["in_actor", "own_process"], "in_actor",
      "rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own"),
+    ("--vector-input", ["prompt_embeds", "multimodal"], "prompt_embeds",
+     "rollout.vector_input (multimodal: token ids and the marker's row as an item; vLLM 0.26 may then run its V2 model runner)"),
 ]
 
 
@@ -135,7 +137,7 @@ def main() -> int:
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
            + ("-fp32-modules" if args.nf4_fp32_modules else "")
-           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "")
+           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "") + ("-mm" if args.vector_input == "multimodal" else "")
            + (f"-{args.engines}engines" if args.engines > 1 else "") + ("" if args.attention == "auto" else f"-{args.attention}")
            + "".join(f"-{k}-{v}" for k, v in args.engine_option))
     cfg_path = root / f"job-{tag}.yaml"

@@ -226,6 +226,9 @@ def main() -> int:
                          "vllmlogprobs (shared, vLLM's own loop over each logprob entry instead of "
                          "vllm_compat.lean_sampled_logprobs)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
+    ap.add_argument("--vector-input", choices=["prompt_embeds", "multimodal"], default="prompt_embeds",
+                    help="rollout.vector_input of the engine (multimodal: vLLM 0.26 may run its V2 model runner; the JSON "
+                         "says which runner ran)")
     ap.add_argument("--profile", help="write the torch-profiler kernel table of one more generate of the first batch "
                                       "here (the JSON gets its timeline and device time by kind of kernel)")
     args = ap.parse_args()
@@ -254,7 +257,7 @@ def main() -> int:
         "data": {"parquet": str(root / "rl.parquet")},
         "rollout": {"group_size": args.group, "max_new_tokens": args.new_tokens, "prefill": "<explanation>",
                     "cap_is_failure": False, "enforce_eager": args.eager, "max_prompt_tokens": args.prompt_len,
-                    "lora": args.lora, "engine_options": dict(args.engine_option)},
+                    "lora": args.lora, "vector_input": args.vector_input, "engine_options": dict(args.engine_option)},
         "learner": {"lora_r": args.lora_r, "lora_alpha": 16},
         "grpo": {"prompts_per_step": top}, "placement": {"mode": "colocated" if device == "cuda" else "cpu"}, "weight_sync": {"kind": "host"},
         "prompts": {"enable_thinking": False},
@@ -267,7 +270,10 @@ def main() -> int:
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
     timers = CallTimers(engine.llm)
     vllm, G = engine._vllm, args.group
-    results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
+    config = getattr(getattr(engine.llm, "llm_engine", None), "vllm_config", None)
+    results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "vector_input": args.vector_input,
+               "model_runner": "v2" if getattr(config, "use_v2_model_runner", False) else "v1",
+               "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
                "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),
                "runs": []}
 
@@ -277,9 +283,9 @@ def main() -> int:
 
         prompts, params, call = [], [], uuid.uuid4().hex  # salts of this call only: nothing carries over between calls
         for r in batch:
-            embeds = engine.prompt_embeds(r)
+            prompt = engine.prompt(r)
             for g in range(G):
-                prompts.append({"prompt_embeds": embeds, "cache_salt": f"{call}-{r.row_id}-{g}"})
+                prompts.append({**prompt, "cache_salt": f"{call}-{r.row_id}-{g}"})
                 p = engine.sampling_params(seed, r.row_id, ignore_eos=True)
                 p.n, p.seed = 1, p.seed + g
                 params.append(p)
@@ -290,7 +296,7 @@ def main() -> int:
         import uuid
 
         salt = uuid.uuid4().hex
-        prompts = [{"prompt_embeds": engine.prompt_embeds(r), "cache_salt": salt} for r in batch]
+        prompts = [{**engine.prompt(r), "cache_salt": salt} for r in batch]
         params = [engine.sampling_params(seed, r.row_id, ignore_eos=True) for r in batch]
         for p in params:
             p.logprobs = None

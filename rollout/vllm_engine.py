@@ -58,6 +58,21 @@ def karvonen_overrides(cfg, marker_id: int) -> dict:
         raise NlaInputError(path, str(exc)) from None
 
 
+def marker_input_options(cfg, marker_id: int) -> dict:
+    """``rollout.vector_input: multimodal``: the engine options and ``hf_overrides`` of the class that reads the
+    marker's row as a multimodal item (``rollout.vllm_marker_input``)."""
+    import json
+
+    from rollout import vllm_marker_input as marker
+
+    path = model_dir(cfg) / "config.json"
+    archs = json.loads(path.read_text()).get("architectures") or ["?"]
+    try:
+        return {**marker.engine_options(), "hf_overrides": marker.hf_overrides(archs[0], marker_id)}
+    except ValueError as exc:
+        raise NlaInputError(path, str(exc)) from None
+
+
 def model_shape(cfg, dtype) -> dict:
     """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes (one
     where ``rollout.engine_options`` sets an fp8 ``kv_cache_dtype``)."""
@@ -118,6 +133,8 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
                       lora_target_modules=targets)
     if cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
+    if ro.vector_input == "multimodal":
+        kwargs.update(marker_input_options(cfg, marker_id))
     from shared.quantization import vllm_options
 
     if vllm_quantizes(cfg):
@@ -201,12 +218,13 @@ class VllmEngine(RolloutEngine):
             total = torch.cuda.mem_get_info()[1]
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total)
         check_engine_kwargs(vllm, kwargs)
-        if self.karvonen:
+        if self.karvonen or cfg.rollout.vector_input == "multimodal":
             from rollout.vllm_plugin import registered
 
             if not registered():
-                raise NlaInputError("injection.mode", "karvonen on vLLM needs this package's vLLM plugin (entry point "
-                                    "vllm.general_plugins): install the package, `pip install -e .`")
+                field = "injection.mode" if self.karvonen else "rollout.vector_input"
+                raise NlaInputError(field, "its model classes on vLLM come from this package's vLLM plugin (entry point "
+                                           "vllm.general_plugins): install the package, `pip install -e .`")
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
         self.merged = cfg.rollout.lora == "merged"
         if self.merged and cpu:
@@ -248,6 +266,22 @@ class VllmEngine(RolloutEngine):
         plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale, self.embed_multiplier)
         return mark_site(plain, req.site, vector) if inject else plain
 
+    def prompt(self, req: PromptRequest, inject: bool = True) -> dict:
+        """vLLM's prompt for the request: its embeddings, or (``rollout.vector_input: multimodal``) its token ids
+        with the marker's injected row as an item, the row the embeddings would carry there."""
+        if self.cfg.rollout.vector_input != "multimodal":
+            return {"prompt_embeds": self.prompt_embeds(req, inject)}
+        from rollout.vllm_marker_input import marker_item
+        from shared.injection import embed_prompt
+
+        check_request(req, self.spec)
+        prompt = {"prompt_token_ids": list(req.prompt_ids)}
+        if inject:  # the marker's row alone: embed_prompt over that one token, with the vector in its place
+            row = embed_prompt(req.prompt_ids[req.site:req.site + 1], self.embed_weight, 0,
+                               request_vector(req, self.spec.d_model), self.scale, self.embed_multiplier)[0]
+            prompt["multi_modal_data"] = marker_item(row)
+        return prompt
+
     def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):
         ro = self.cfg.rollout
         return self._vllm.SamplingParams(
@@ -260,7 +294,7 @@ class VllmEngine(RolloutEngine):
     def generate(self, requests: list[PromptRequest], seed: int, ignore_eos: bool = False, inject: bool = True) -> list[Sample]:
         if not requests:
             return []
-        prompts = [{"prompt_embeds": self.prompt_embeds(r, inject)} for r in requests]
+        prompts = [self.prompt(r, inject) for r in requests]
         if self.prefix_caching:
             # a salt of this call only: the group's samples (and prompts up to their marker) share blocks
             # within the call, never with an earlier one, so a step computes the same whatever ran before

@@ -1,4 +1,5 @@
-"""vLLM plugin (entry point ``vllm.general_plugins``): registers the karvonen-injecting model classes.
+"""vLLM plugin (entry point ``vllm.general_plugins``): registers the karvonen-injecting model classes and the
+classes that read the injected row as a multimodal item (``rollout.vllm_marker_input``).
 
 vLLM runs ``register`` in every process it starts (the front end that resolves the architecture, the
 engine core and each worker that builds the model), which is why the registration is a plugin and
@@ -29,17 +30,20 @@ def register() -> None:
     try:
         from vllm import ModelRegistry
 
+        from rollout import vllm_marker_input as marker
         from rollout.vllm_karvonen import ARCHITECTURES, PREFIX
 
         known = set(ModelRegistry.get_supported_archs())
-        for arch in ARCHITECTURES:
-            if PREFIX + arch not in known:
-                ModelRegistry.register_model(PREFIX + arch, f"rollout.vllm_karvonen:{PREFIX + arch}")
+        for module, prefix, archs in (("rollout.vllm_karvonen", PREFIX, ARCHITECTURES),
+                                      (marker.__name__, marker.PREFIX, marker.ARCHITECTURES)):
+            for arch in archs:
+                if prefix + arch not in known:
+                    ModelRegistry.register_model(prefix + arch, f"{module}:{prefix + arch}")
     except Exception as exc:  # noqa: BLE001 - see the docstring
         import logging
 
-        logging.getLogger(__name__).warning("nla-grpo: the karvonen model classes are not registered (%s: %s)",
-                                            type(exc).__name__, exc)
+        logging.getLogger(__name__).warning(
+            "nla-grpo: the karvonen and marker-input model classes are not registered (%s: %s)", type(exc).__name__, exc)
 
 
 def registered() -> bool:

@@ -143,10 +143,15 @@ class RolloutConfig(_Section):
     thread; own_process, vLLM's separate process, which builds the outputs in the actor while the next step
     runs (a cuda_ipc push forwards its handle to the worker). tensor_parallel_size > 1 and weight_sync file
     always run their own processes."""
+    vector_input: Literal["prompt_embeds", "multimodal"] = "prompt_embeds"
+    """How an embed-mode prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1
+    model runner); multimodal, token ids with the marker's injected row as an embeddings-only item
+    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner (benchmarks/RESULTS.md
+    §16; Qwen3 checkpoints, injection.mode embed)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
-    embeddings, so prompts with other vectors never share); each generate call has its own cache salt, so no
-    call reuses another's blocks."""
+    embeddings, or with vector_input multimodal on the marker item's hash, so prompts with other vectors never
+    share); each generate call has its own cache salt, so no call reuses another's blocks."""
     max_prompt_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
     """Longest AV prompt the engine plans its KV cache for; None = the training data's longest (set at start)."""
     enforce_eager: bool = False
@@ -693,6 +698,14 @@ def own_process_is_vllms(cfg):
     r = cfg.rollout
     if r.engine_core == "own_process" and r.backend != "vllm":
         return f"rollout.engine_core=own_process is vLLM's engine core process: needs rollout.backend=vllm, found {r.backend}"
+
+
+@_rule
+def multimodal_vector_input_is_vllms_embed_mode(cfg):
+    r = cfg.rollout
+    if r.vector_input == "multimodal" and (r.backend != "vllm" or cfg.injection.mode != "embed"):
+        return (f"rollout.vector_input=multimodal puts embed mode's marker row into vLLM as an item: needs "
+                f"rollout.backend=vllm and injection.mode=embed, found {r.backend} and {cfg.injection.mode}")
 
 
 @_rule

@@ -31,6 +31,8 @@ CASES = {
     "vllm_on_gpus_computes_in_16_bits": _with(GPU, model={"dtype": "float32"}),
     "sleep_needs_a_shared_gpu": {"rollout": {"sleep_during_update": True}},
     "own_process_is_vllms": {"rollout": {"backend": "hf", "engine_core": "own_process"}},
+    "multimodal_vector_input_is_vllms_embed_mode": {"injection": {"mode": "karvonen"},
+                                                    "rollout": {"vector_input": "multimodal"}},
     "merged_needs_one_vllm_engine_per_gpu": {"rollout": {"backend": "hf", "lora": "merged"}},
     "vllm_takes_the_adapter_rank": {"learner": {"lora_r": 1024}},
     "overlap_takes_one_epoch": {"grpo": {"overlap_rollout": True}, "learner": {"ppo_epochs": 2}},

@@ -35,22 +35,23 @@ def tiny_bf16_dir(tiny_dir, tmp_path_factory):
     return out
 
 
-_PARITY: dict = {}  # (dir, transport, injection mode, quantization) -> k3 per push, so a test reuses another's figures
+_PARITY: dict = {}  # (dir, transport, injection mode, quantization, lora, vector input) -> k3 per push, for reuse
+_RUNNER: dict = {}  # the same keys -> the vLLM model runner the engine ran ("v1" or "v2")
 
 
 def _parity_k3(tiny_dir, transport: str, injection=None, quantization: str = "none", limits=(0.05, 0.01),
-               cache: bool = True, lora: str = "adapter") -> list[float]:
+               cache: bool = True, lora: str = "adapter", vector_input: str = "prompt_embeds") -> list[float]:
     """Three pushes with training between, each followed by a rollout that the learner rescores;
     returns each push's k3 (and checks mean |Δlogp| and k3 below ``limits``, the bf16 noise level)."""
-    key = (str(tiny_dir), transport, injection and injection["mode"], quantization, lora)
+    key = (str(tiny_dir), transport, injection and injection["mode"], quantization, lora, vector_input)
     if not cache:
-        return _measure_parity(tiny_dir, transport, injection, quantization, limits, lora)
+        return _measure_parity(tiny_dir, transport, injection, quantization, limits, lora, vector_input, key)
     if key not in _PARITY:
-        _PARITY[key] = _measure_parity(tiny_dir, transport, injection, quantization, limits, lora)
+        _PARITY[key] = _measure_parity(tiny_dir, transport, injection, quantization, limits, lora, vector_input, key)
     return _PARITY[key]
 
 
-def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter"):
+def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter", vector_input="prompt_embeds"):
     """The parity tests' colocated GPU config on the tiny model."""
     compiled = {"enforce_eager": False, "enable_chunked_prefill": True, "max_num_batched_tokens": 64,
                 "enable_prefix_caching": True} if injection else {"enforce_eager": True}
@@ -58,22 +59,25 @@ def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter"):
                        gpu_memory_utilization=0.2, max_num_seqs=32, engine_options=compiled)
     raw = base.model_dump(mode="python")
     raw["model"].update(dtype="bfloat16", quantization=quantization)
-    raw["rollout"]["lora"] = lora
+    raw["rollout"].update(lora=lora, vector_input=vector_input)
     raw["placement"]["mode"] = "colocated"  # a GPU run (NF4 is refused on the cpu placement)
     raw["critic"]["lora_r"] = 8
     raw["learner"].update(lr=5e-2, optimizer="adamw")
     return build_config(raw, "gpu-test")
 
 
-def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter") -> list[float]:
+def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter", vector_input="prompt_embeds",
+                    key=None) -> list[float]:
     from learner.learner import Learner
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora)
+    cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora, vector_input)
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
     figures = []
+    config = getattr(getattr(engine.llm, "llm_engine", None), "vllm_config", None)
+    _RUNNER[key] = "v2" if getattr(config, "use_v2_model_runner", False) else "v1"
     try:
         reqs = tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 8, prefill=cfg.rollout.prefill)
         by_row = {r.row_id: r.vector for r in reqs}
@@ -85,7 +89,8 @@ def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="
             ours = learner.logprobs(samples, vectors)
             d = torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(samples, ours)])
             k3 = (torch.exp(-d) + d - 1).mean().item()
-            print(f"{transport} {injection and injection['mode']} {quantization} {lora} v{learner.version}: mean |dlogp| "
+            print(f"{transport} {injection and injection['mode']} {quantization} {lora} {vector_input} {_RUNNER[key]} "
+                  f"v{learner.version}: mean |dlogp| "
                   f"{d.abs().mean():.2e}, max {d.abs().max():.2e}, k3 {k3:.2e}")
             assert d.abs().mean() < limits[0] and k3 < limits[1]
             figures.append(k3)
@@ -121,6 +126,23 @@ def test_merged_adapter_rollout_stays_close_to_the_learner(tiny_bf16_dir, mode):
     adapter = _parity_k3(tiny_bf16_dir, "memory", injection, "none")
     merged = _parity_k3(tiny_bf16_dir, "memory", injection, "none", lora="merged")
     print(f"{mode}: k3 adapter {adapter}, merged {merged}")
+
+
+@pytest.mark.parametrize("lora", ["adapter", "merged"])
+def test_the_multimodal_vector_input_runs_vllms_v2_runner_and_stays_close_to_the_learner(tiny_bf16_dir, lora):
+    """rollout.vector_input=multimodal on the GPU: with no prompt embeddings vLLM 0.26 runs its V2 model runner
+    (the prompt-embeds route the V1 runner), and after each of three pushes the rollout's k3 against the learner
+    stays within 2x of the prompt-embeds route's, plus the bf16 noise allowance."""
+    vllm = pytest.importorskip("vllm")
+    embeds = _parity_k3(tiny_bf16_dir, "memory", None, "none", lora=lora)
+    items = _parity_k3(tiny_bf16_dir, "memory", None, "none", lora=lora, vector_input="multimodal")
+    runners = {v: _RUNNER[(str(tiny_bf16_dir), "memory", None, "none", lora, v)] for v in ("prompt_embeds", "multimodal")}
+    print(f"vector input, lora {lora}: k3 prompt_embeds {embeds} ({runners['prompt_embeds']}), "
+          f"multimodal {items} ({runners['multimodal']})")
+    assert runners["prompt_embeds"] == "v1"
+    if vllm.__version__.startswith("0.26"):
+        assert runners["multimodal"] == "v2"
+    assert max(items) <= 2 * max(embeds) + 1e-4, (embeds, items)
 
 
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])

@@ -1,6 +1,6 @@
 """Prefix caching in the vLLM backend is safe for the vector: a group's samples share their prompt's KV,
-a prompt with the same token ids and another vector never does (embed and karvonen injection, with an
-adapter), and the check itself catches a cache keyed on token ids alone."""
+a prompt with the same token ids and another vector never does (embed and karvonen injection, and embed mode's
+row sent as a multimodal item, with an adapter), and the check itself catches a cache keyed on token ids alone."""
 import pytest
 
 from rollout_support import cache_hits, expected_hits, hits_per_request, max_abs_diff, tiny_config, twin_batch, update_for, vectors_of
@@ -13,14 +13,15 @@ PARITY_ATOL = 1e-4
 BLOCK = 32  # the CPU attention backend's smallest block; the tiny prompts (43 tokens) fill one, the marker inside it
 
 
-@pytest.fixture(scope="module", params=["embed", "karvonen"])
+@pytest.fixture(scope="module", params=["embed", "karvonen", "multimodal"])
 def engines(request, tiny_dir):
     from rollout.hf_engine import HfEngine
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param == "karvonen" else None
-    cfg = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=12, engine_options={"block_size": BLOCK})
+    route = {"vector_input": "multimodal"} if request.param == "multimodal" else {}
+    cfg = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=12, engine_options={"block_size": BLOCK}, **route)
     assert cfg.rollout.prefix_caching  # the default
     vllm_engine, hf = VllmEngine(cfg, spec), HfEngine(cfg, spec)
     update = update_for(cfg, 1, seed=3)
@@ -48,13 +49,16 @@ def test_the_group_shares_its_prompt_and_another_vector_never_does(engines, tiny
 
 
 def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypatch):
-    """The control: with vLLM's prompt-embeds hash keys switched off, the twin gets request 0's KV and
-    the check above fails; so its passing means the keys are what keeps vectors apart."""
+    """The control: with vLLM's prompt-embeds hash keys (for a multimodal item, its hash keys) switched off, the
+    twin gets request 0's KV and the check above fails; so its passing means the keys keep vectors apart."""
     from vllm.v1.core import kv_cache_utils
 
     engine, hf = engines
     batch = twin_batch(tiny_dir, engine, BLOCK)
-    monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", lambda *a, **k: [])
+    if engine.cfg.rollout.vector_input == "multimodal":
+        monkeypatch.setattr(kv_cache_utils, "_gen_mm_extra_hash_keys", lambda request, start, end, mm_idx: ([], mm_idx))
+    else:
+        monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", lambda *a, **k: [])
     samples = engine.generate(batch, seed=5)
     G = engine.cfg.rollout.group_size
     twin = samples[G:2 * G]
@@ -87,6 +91,8 @@ def test_a_groups_samples_hash_their_shared_prompt_once(engines, tiny_dir, monke
     from vllm.v1.core import kv_cache_utils
 
     engine, _ = engines
+    if engine.cfg.rollout.vector_input == "multimodal":
+        pytest.skip("token-id prompts carry no prompt embeddings to hash")
     patched = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     assert getattr(patched, "shared_per_tensor", False)  # the engine applied it
     G, new = engine.cfg.rollout.group_size, engine.cfg.rollout.max_new_tokens

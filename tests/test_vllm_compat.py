@@ -265,3 +265,19 @@ def test_sampled_logprobs_read_flat_lists_and_per_token_dicts_alike():
     assert sampled_logprobs(SimpleNamespace(logprobs=flat), ids) == lps
     assert sampled_logprobs(SimpleNamespace(logprobs=dicts), ids) == lps
 
+
+
+def test_the_marker_input_route_names_its_class_and_refuses_other_architectures():
+    import torch
+
+    from rollout import vllm_marker_input as marker
+
+    assert marker.hf_overrides("Qwen3ForCausalLM", 7) == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"],
+                                                         "nla_marker_id": 7}
+    with pytest.raises(ValueError, match="expected a model of Qwen3ForCausalLM, found LlamaForCausalLM"):
+        marker.hf_overrides("LlamaForCausalLM", 7)
+    options = marker.engine_options()
+    assert options["enable_prompt_embeds"] is False and options["limit_mm_per_prompt"] == {marker.MODALITY: 0}
+    row = torch.arange(6.0)
+    item = marker.marker_item(row)[marker.MODALITY]
+    assert item.shape == (1, 1, 6) and torch.equal(item.flatten(), row)  # 3-D: vLLM reads it as embeddings

@@ -87,4 +87,4 @@ def test_the_plugin_is_installed_and_never_raises(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "rollout.vllm_karvonen", None)  # importing it now fails
     with caplog.at_level("WARNING"):
         register()  # an error here would stop every vLLM engine in the environment
-    assert "karvonen model classes are not registered (ModuleNotFoundError" in caplog.text
+    assert "karvonen and marker-input model classes are not registered (ModuleNotFoundError" in caplog.text
