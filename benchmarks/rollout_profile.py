@@ -243,7 +243,7 @@ def main() -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    from rollout.vllm_compat import in_process_scheduler
+    from rollout.vllm_compat import in_process_scheduler, model_runner
     from rollout.vllm_engine import VllmEngine
     from shared.config import build_config
     from shared.spec import load_spec, sidecar_path
@@ -270,9 +270,8 @@ def main() -> int:
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
     timers = CallTimers(engine.llm)
     vllm, G = engine._vllm, args.group
-    config = getattr(getattr(engine.llm, "llm_engine", None), "vllm_config", None)
     results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "vector_input": args.vector_input,
-               "model_runner": "v2" if getattr(config, "use_v2_model_runner", False) else "v1",
+               "model_runner": model_runner(engine.llm),
                "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
                "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),
                "runs": []}

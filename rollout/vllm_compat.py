@@ -85,6 +85,13 @@ def in_process_scheduler(llm):
     return getattr(in_process_engine_core(llm), "scheduler", None)
 
 
+def model_runner(llm) -> str:
+    """Which of vLLM's GPU model runners the engine chose: "v2" or "v1" (vLLM 0.26 picks V2 for dense models
+    unless prompt embeddings are enabled; a vLLM without the choice runs "v1")."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return "v2" if getattr(config, "use_v2_model_runner", False) else "v1"
+
+
 def shutdown_engine_core(llm) -> None:
     """Stop the engine core's processes now (dropping the ``LLM`` leaves them to the garbage collector)."""
     core = _engine_core(llm)

@@ -44,33 +44,33 @@ def adapter_shape(cfg) -> tuple[int, list[str]]:
     return adapter.max_rank, adapter.targets or list(cfg.learner.target_modules)
 
 
-def karvonen_overrides(cfg, marker_id: int) -> dict:
-    """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
+def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
+    """``overrides(architecture, marker_id)`` for the checkpoint's architecture (``config.json``); an
+    architecture it refuses is an input error naming that file."""
     import json
-
-    from rollout.vllm_karvonen import hf_overrides
 
     path = model_dir(cfg) / "config.json"
     archs = json.loads(path.read_text()).get("architectures") or ["?"]
     try:
-        return hf_overrides(archs[0], cfg.injection.karvonen_layer, marker_id)
+        return overrides(archs[0], marker_id)
     except ValueError as exc:
         raise NlaInputError(path, str(exc)) from None
+
+
+def karvonen_overrides(cfg, marker_id: int) -> dict:
+    """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
+    from rollout.vllm_karvonen import hf_overrides
+
+    return checkpoint_overrides(cfg, lambda arch, marker: hf_overrides(arch, cfg.injection.karvonen_layer, marker),
+                                marker_id)
 
 
 def marker_input_options(cfg, marker_id: int) -> dict:
     """``rollout.vector_input: multimodal``: the engine options and ``hf_overrides`` of the class that reads the
     marker's row as a multimodal item (``rollout.vllm_marker_input``)."""
-    import json
-
     from rollout import vllm_marker_input as marker
 
-    path = model_dir(cfg) / "config.json"
-    archs = json.loads(path.read_text()).get("architectures") or ["?"]
-    try:
-        return {**marker.engine_options(), "hf_overrides": marker.hf_overrides(archs[0], marker_id)}
-    except ValueError as exc:
-        raise NlaInputError(path, str(exc)) from None
+    return {**marker.engine_options(), "hf_overrides": checkpoint_overrides(cfg, marker.hf_overrides, marker_id)}
 
 
 def model_shape(cfg, dtype) -> dict:

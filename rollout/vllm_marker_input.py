@@ -111,9 +111,9 @@ def _build():
 
 
 def __getattr__(name: str):
-    # vLLM imports "rollout.vllm_marker_input:<class>" where it builds or inspects a model: build on first use
-    if name.startswith(PREFIX):
-        classes = globals().setdefault("_CLASSES", _build())
-        if name in classes:
-            return classes[name]
-    raise AttributeError(name)
+    """vLLM imports ``rollout.vllm_marker_input:<class>`` where it builds or inspects a model: the classes are built
+    (and their processor registered) on first use, once; later lookups find them in the module."""
+    if name not in {PREFIX + arch for arch in ARCHITECTURES}:
+        raise AttributeError(name)
+    globals().update(_build())  # every class at once: this runs once, as they are then found in the module
+    return globals()[name]

@@ -69,6 +69,7 @@ def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter", ve
 def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter", vector_input="prompt_embeds",
                     key=None) -> list[float]:
     from learner.learner import Learner
+    from rollout.vllm_compat import model_runner
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
@@ -76,8 +77,7 @@ def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="
     learner = Learner(cfg, spec, "cuda")
     engine = VllmEngine(cfg, spec, "cuda")
     figures = []
-    config = getattr(getattr(engine.llm, "llm_engine", None), "vllm_config", None)
-    _RUNNER[key] = "v2" if getattr(config, "use_v2_model_runner", False) else "v1"
+    _RUNNER[key] = model_runner(engine.llm)
     try:
         reqs = tiny_requests(tiny_dir / "rl.parquet", spec, engine.tokenizer, 8, prefill=cfg.rollout.prefill)
         by_row = {r.row_id: r.vector for r in reqs}

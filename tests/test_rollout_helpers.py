@@ -163,3 +163,11 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
     cfg = build_config({"model": {"path": str(other)}, "injection": {"mode": "karvonen"}})
     with pytest.raises(NlaInputError, match=r"config.json: injection.mode karvonen on vLLM: expected a model of Qwen3ForCausalLM"):
         engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7)
+    # so is one without a marker-input class; the tiny Qwen3 gets its class and the route's options
+    cfg = build_config({"model": {"path": str(other)}, "rollout": {"vector_input": "multimodal"}})
+    with pytest.raises(NlaInputError, match=r"config.json: rollout.vector_input multimodal: expected a model of Qwen3"):
+        engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7)
+    kw = engine_kwargs(build_config({"model": model, "rollout": {"vector_input": "multimodal"}}), "cuda", torch.bfloat16,
+                       marker_id=7)
+    assert kw["hf_overrides"] == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"], "nla_marker_id": 7}
+    assert kw["enable_prompt_embeds"] is False and kw["enable_mm_embeds"] is True

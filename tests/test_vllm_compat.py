@@ -281,3 +281,21 @@ def test_the_marker_input_route_names_its_class_and_refuses_other_architectures(
     row = torch.arange(6.0)
     item = marker.marker_item(row)[marker.MODALITY]
     assert item.shape == (1, 1, 6) and torch.equal(item.flatten(), row)  # 3-D: vLLM reads it as embeddings
+
+
+def test_the_marker_input_classes_are_built_once_and_found_again(monkeypatch):
+    """vLLM looks the class up by name in each of its processes; building it registers its input processor, which
+    must happen once, not at every lookup."""
+    pytest.importorskip("vllm")
+    from rollout import vllm_marker_input as marker
+
+    for arch in marker.ARCHITECTURES:  # as if nothing were built yet (an earlier engine may have built them)
+        monkeypatch.delitem(vars(marker), marker.PREFIX + arch, raising=False)
+    builds, build = [], marker._build
+    monkeypatch.setattr(marker, "_build", lambda: builds.append(1) or build())
+    name = marker.PREFIX + "Qwen3ForCausalLM"
+    cls = getattr(marker, name)
+    assert getattr(marker, name) is cls and cls.__name__ == name and len(builds) == 1
+    with pytest.raises(AttributeError):
+        getattr(marker, marker.PREFIX + "LlamaForCausalLM")
+    assert len(builds) == 1
