@@ -11,18 +11,25 @@ Pure functions of the run config and the model's shape, so the sizes can be test
 - ``gpu_memory_utilization: auto``: colocated, the engine reserves the KV cache one step needs (a group's
   shared prompt blocks once with prefix caching, each sample's own tail and response blocks), +25%,
   and asks for weights + that + a fixed ``ENGINE_OVERHEAD_BYTES`` for activations and graphs; the
-  rest of the GPU is the learner's and the critic's. On a GPU of its own an engine takes ``SPLIT_SHARE``.
+  rest of the GPU is the learner's and the critic's. What they hold while the engine is awake (their
+  weights, the adapter's optimiser state: ``resident_bytes``) comes off the top first: where one step's KV
+  does not fit beside them (128 x 8 at 8B on an 80 GB card), the engine gets what is left and vLLM runs
+  the step in waves, rather than the learner failing to start. On a GPU of its own an engine takes
+  ``SPLIT_SHARE``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+from shared.errors import NlaInputError
+
 BLOCK = 16  # vLLM's default KV block size on GPUs
 MIN_BATCHED_TOKENS = 16384
 KV_MARGIN = 1.25
 ENGINE_OVERHEAD_BYTES = 8 << 30  # activations of a 16k-token prefill, CUDA graphs (1.9 GiB at 8B to batch 2048), sampler buffers
 SPLIT_SHARE = 0.9
+COLOCATED_SHARE = 0.95  # of the GPU, for engines + learner + critic; the rest is the CUDA contexts' and fragmentation's
 
 
 @dataclass(frozen=True)
@@ -32,6 +39,16 @@ class EnginePlan:
     capture_sizes: list[int] | None  # None: no graphs (eager)
     kv_cache_bytes: int | None  # None: vLLM sizes the KV cache from gpu_memory_utilization
     gpu_memory_utilization: float
+    kv_needed_bytes: int | None = None  # colocated auto: what one step's KV holds at its longest; above kv_cache_bytes, waves
+
+    def shortfall(self) -> str | None:
+        """One line where one step's KV does not fit beside the learner and critic, else None."""
+        if self.kv_needed_bytes is None or self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes:
+            return None
+        gib = 1 << 30
+        return (f"[plan] one step's KV cache ({self.kv_needed_bytes / gib:.1f} GiB) does not fit beside "
+                f"the learner and critic: the engine holds {self.kv_cache_bytes / gib:.1f} GiB and vLLM runs the step "
+                f"in waves (a bigger GPU, placement.mode: split or model.quantization: nf4 avoid them)")
 
     def engine_kwargs(self) -> dict:
         out = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -74,11 +91,12 @@ def step_kv_tokens(groups: int, group_size: int, prompt_tokens: int, max_new_tok
 
 
 def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict, *, colocated: bool,
-                weight_bytes: int, total_bytes: int, eager: bool) -> EnginePlan:
+                weight_bytes: int, total_bytes: int, eager: bool, resident_bytes: int = 0) -> EnginePlan:
     """The plan for ``ro`` (the run's ``rollout`` section) on one GPU engine.
 
     ``model_shape``: layers, kv_heads, head_dim, elem_bytes of the KV cache; ``weight_bytes`` what the
-    engine's weights take on the GPU; ``total_bytes`` the GPU's memory."""
+    engine's weights take on the GPU; ``total_bytes`` the GPU's memory; ``resident_bytes`` what the learner
+    and the critic hold on it while the engines are awake (colocated)."""
     groups = math.ceil(prompts_per_step / ro.num_engines)  # prompts one engine gets in a step
     seqs = min(4096, round_up(groups * ro.group_size, 16)) if ro.max_num_seqs == "auto" else ro.max_num_seqs
     graphs = None if eager else capture_sizes(seqs)
@@ -88,9 +106,21 @@ def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict
     elif not colocated:
         util = SPLIT_SHARE
     else:
+        per_token = kv_bytes_per_token(**model_shape)
         tokens = step_kv_tokens(groups, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching)
-        kv = int(tokens * kv_bytes_per_token(**model_shape) * KV_MARGIN)
+        needed = tokens * per_token
+        room = (COLOCATED_SHARE * total_bytes - resident_bytes) / ro.num_engines - weight_bytes - ENGINE_OVERHEAD_BYTES
+        one_sample = round_up(prompt_tokens + ro.max_new_tokens + 1, BLOCK) * per_token
+        if room < one_sample:
+            gib = 1 << 30
+            raise NlaInputError("rollout.gpu_memory_utilization", (
+                f"auto: a {total_bytes / gib:.1f} GiB GPU has no room for an engine's KV cache: the learner and critic "
+                f"hold about {resident_bytes / gib:.1f} GiB, each of {ro.num_engines} engine(s) {weight_bytes / gib:.1f} "
+                f"GiB of weights + {ENGINE_OVERHEAD_BYTES / gib:.0f} GiB of activations and graphs; place them apart "
+                f"(placement.mode: split) or quantise (model.quantization: nf4)"))
+        kv = min(int(needed * KV_MARGIN), int(room))
         # vLLM checks at start that this share of the GPU is free; with kv_cache_memory_bytes set it
         # reserves exactly that KV cache whatever the share says
-        util = min(0.95, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)
+        util = min(COLOCATED_SHARE, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)
+        return EnginePlan(seqs, max(MIN_BATCHED_TOKENS, seqs), graphs, kv, round(util, 4), needed)
     return EnginePlan(seqs, max(MIN_BATCHED_TOKENS, seqs), graphs, kv, round(util, 4))

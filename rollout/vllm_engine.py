@@ -100,19 +100,60 @@ def vllm_quantizes(cfg) -> bool:
     return cfg.model.quantization != "none" and cfg.rollout.lora != "merged"
 
 
-def gpu_plan(cfg, dtype, total_bytes: int):
-    """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes``."""
+CONTEXT_BYTES = 600 << 20  # a process's CUDA context and kernels (non-torch memory), learner and critic each
+TRAINED_PARAM_BYTES = 16  # an adapter parameter trained with AdamW: fp32 weight, gradient and two moments
+
+
+def lora_params(cfg, rank: int, targets: list[str]) -> int:
+    """Parameters of a rank-``rank`` LoRA on ``targets`` in every decoder block of the subject model."""
+    import json
+
+    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    c = c.get("text_config", c)
+    hidden, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
+    sides = {"q_proj": hidden + q, "k_proj": hidden + kv, "v_proj": hidden + kv, "o_proj": q + hidden,
+             "gate_proj": hidden + inter, "up_proj": hidden + inter, "down_proj": inter + hidden}
+    return rank * sum(sides.get(t, 0) for t in targets) * c["num_hidden_layers"]
+
+
+def colocated_resident_bytes(cfg, critic_blocks: int | None = None) -> int:
+    """What the learner and the critic hold on a colocated GPU while the engines are awake: the policy's base
+    (NF4 about a third of the checkpoint), the adapter with its optimiser state, the critic's blocks
+    (``critic_blocks`` of the model's, all where unknown) and each process's CUDA context."""
+    import json
+
+    files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
+    base = files * (0.35 if cfg.model.quantization != "none" else 1.0)
+    layers = json.loads((model_dir(cfg) / "config.json").read_text())
+    layers = layers.get("text_config", layers)["num_hidden_layers"]
+    blocks = cfg.critic.num_layers or critic_blocks or layers
+    rank, targets = adapter_shape(cfg)
+    adapter = lora_params(cfg, rank, targets) * TRAINED_PARAM_BYTES
+    critic = base * min(blocks, layers) / layers
+    if cfg.critic.train:
+        critic += lora_params(cfg, cfg.critic.lora_r or 0, list(cfg.learner.target_modules)) * TRAINED_PARAM_BYTES * blocks / layers
+    return int(base + adapter + critic + 2 * CONTEXT_BYTES)
+
+
+def gpu_plan(cfg, dtype, total_bytes: int, critic_blocks: int | None = None):
+    """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
+    the learner and a critic of ``critic_blocks`` blocks)."""
     from rollout.engine_plan import plan_engine
 
     ro = cfg.rollout
+    colocated = cfg.placement.mode == "colocated"
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
-                       colocated=cfg.placement.mode == "colocated", weight_bytes=weight_bytes(cfg),
-                       total_bytes=total_bytes, eager=ro.enforce_eager)
+                       colocated=colocated, weight_bytes=weight_bytes(cfg), total_bytes=total_bytes,
+                       eager=ro.enforce_eager,
+                       resident_bytes=colocated_resident_bytes(cfg, critic_blocks) if colocated else 0)
 
 
-def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None) -> dict:
+def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None,
+                  critic_blocks: int | None = None) -> dict:
     """``vllm.LLM`` keyword arguments from the run config (``marker_id``: karvonen mode's marker token;
-    ``total_bytes``: the GPU's memory, for the engine plan)."""
+    ``total_bytes``: the GPU's memory, and ``critic_blocks`` the critic's depth, for the engine plan)."""
     from rollout.vllm_compat import prefix_cache_keys_embeds
 
     ro = cfg.rollout
@@ -149,7 +190,10 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
             kwargs["max_num_seqs"] = ro.max_num_seqs
     else:
         if total_bytes:
-            kwargs.update(gpu_plan(cfg, dtype, total_bytes).engine_kwargs())
+            plan = gpu_plan(cfg, dtype, total_bytes, critic_blocks)
+            if plan.shortfall():
+                print(plan.shortfall(), flush=True)
+            kwargs.update(plan.engine_kwargs())
         kwargs.update(enforce_eager=ro.enforce_eager, tensor_parallel_size=ro.tensor_parallel_size)
         if ro.sleep_during_update:  # True, or auto: the driver decides at start, after the engines are built
             kwargs["enable_sleep_mode"] = True
@@ -216,7 +260,7 @@ class VllmEngine(RolloutEngine):
             import torch
 
             total = torch.cuda.mem_get_info()[1]
-        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total)
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, critic_blocks=spec.layer_index + 1)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or cfg.rollout.vector_input == "multimodal":
             from rollout.vllm_plugin import registered
@@ -233,6 +277,9 @@ class VllmEngine(RolloutEngine):
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
         else:
+            from rollout.vllm_compat import settle_device_memory
+
+            settle_device_memory()
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":

@@ -1,7 +1,8 @@
 """The vLLM engine plan (rollout.engine_plan): batch limits, CUDA-graph sizes, KV reservation, from the batch."""
 import pytest
 
-from rollout.engine_plan import (ENGINE_OVERHEAD_BYTES, KV_MARGIN, SPLIT_SHARE, capture_sizes, kv_bytes_per_token,
+from rollout.engine_plan import (COLOCATED_SHARE, ENGINE_OVERHEAD_BYTES, KV_MARGIN, SPLIT_SHARE, capture_sizes,
+                                 kv_bytes_per_token,
                                  plan_engine, step_kv_tokens)
 from shared.config import build_config
 
@@ -91,3 +92,60 @@ def test_the_kv_element_follows_the_engines_cache_dtype(tiny_dir):
     assert shape(torch.float32)["elem_bytes"] == 4
     assert shape(torch.bfloat16, kv_cache_dtype="fp8")["elem_bytes"] == shape(torch.float32, kv_cache_dtype="fp8_e5m2")["elem_bytes"] == 1
     assert shape(torch.bfloat16, kv_cache_dtype="auto")["elem_bytes"] == 2
+
+
+def test_the_colocated_kv_gives_way_to_what_the_learner_and_critic_hold():
+    """128 x 8 at 8B on an 80 GB card: one step's KV does not fit beside the learner and critic, so the engine
+    gets what they leave (vLLM runs the step in waves) instead of the learner failing to start; on a 141 GB
+    card the same residents leave the whole step's KV."""
+    ro, resident = _ro(), 32 * GIB
+    h100 = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=79 * GIB,
+                       eager=False, resident_bytes=resident)
+    needed = step_kv_tokens(128, 8, 512, 150, True) * 147_456
+    assert h100.kv_needed_bytes == needed and h100.kv_cache_bytes < needed
+    assert 16 * GIB + h100.kv_cache_bytes + ENGINE_OVERHEAD_BYTES + resident <= COLOCATED_SHARE * 79 * GIB + 1
+    assert "waves" in h100.shortfall() and h100.engine_kwargs()["kv_cache_memory_bytes"] == h100.kv_cache_bytes
+    h200 = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB,
+                       eager=False, resident_bytes=resident)
+    assert h200.kv_cache_bytes == int(needed * KV_MARGIN) and h200.shortfall() is None
+    # the margin gives way first: room for the step's KV without all of its margin is not a shortfall
+    tight = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB,
+                        eager=False, resident_bytes=int(COLOCATED_SHARE * 141 * GIB) - 24 * GIB - int(needed * 1.1))
+    assert needed < tight.kv_cache_bytes < needed * KV_MARGIN and tight.shortfall() is None
+    # engines on one card split what is left: four at 256 x 8 on the 141 GB card get less than a step's KV each
+    four = plan_engine(_ro(num_engines=4), 256, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB,
+                       total_bytes=141 * GIB, eager=False, resident_bytes=resident)
+    assert four.kv_cache_bytes < four.kv_needed_bytes
+    assert 4 * (16 * GIB + four.kv_cache_bytes + ENGINE_OVERHEAD_BYTES) + resident <= COLOCATED_SHARE * 141 * GIB + 4
+
+
+def test_no_room_for_an_engine_is_one_line_naming_the_field():
+    from shared.errors import NlaInputError
+
+    with pytest.raises(NlaInputError, match=r"rollout.gpu_memory_utilization: auto: a 40.0 GiB GPU has no room"):
+        plan_engine(_ro(), 64, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=40 * GIB,
+                    eager=False, resident_bytes=16 * GIB)
+
+
+def test_the_residents_estimate_counts_the_adapter_as_peft_builds_it(tiny_dir):
+    """lora_params matches the trainable parameters of a PEFT LoRA on the tiny model; the residents' estimate
+    grows with the critic's depth and shrinks with an NF4 base."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from rollout.vllm_engine import CONTEXT_BYTES, colocated_resident_bytes, lora_params
+
+    path = tiny_dir / "model"
+    cfg = build_config({"model": {"path": str(path)}, "placement": {"mode": "colocated"}})
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=targets))
+    assert lora_params(cfg, 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    whole = colocated_resident_bytes(cfg)
+    assert whole >= 2 * files + 2 * CONTEXT_BYTES  # the base twice: the policy's and a full-depth critic's
+    assert colocated_resident_bytes(cfg, critic_blocks=1) == pytest.approx(whole - files * (layers - 1) / layers, abs=2)
+    nf4 = build_config({"model": {"path": str(path), "quantization": "nf4"}, "placement": {"mode": "colocated"}})
+    assert colocated_resident_bytes(nf4) < whole
