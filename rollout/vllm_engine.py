@@ -118,22 +118,25 @@ def lora_params(cfg, rank: int, targets: list[str]) -> int:
     return rank * sum(sides.get(t, 0) for t in targets) * c["num_hidden_layers"]
 
 
-def colocated_resident_bytes(cfg, critic_blocks: int | None = None) -> int:
-    """What the learner and the critic hold on a colocated GPU while the engines are awake: the policy's base
-    (NF4 about a third of the checkpoint), the adapter with its optimiser state, the critic's blocks
-    (``critic_blocks`` of the model's, all where unknown) and each process's CUDA context."""
+def colocated_resident_bytes(cfg, dtype, critic_blocks: int | None = None) -> int:
+    """What the learner and the critic hold on a colocated GPU while the engines are awake: the policy's base in
+    the run's ``dtype`` (NF4 about a third of the bf16 checkpoint), the adapter with its optimiser state, the
+    critic's blocks (``critic_blocks`` of the model's, all where unknown) with its adapter's, each process's CUDA context."""
     import json
 
+    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    c = c.get("text_config", c)
     files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    base = files * (0.35 if cfg.model.quantization != "none" else 1.0)
-    layers = json.loads((model_dir(cfg) / "config.json").read_text())
-    layers = layers.get("text_config", layers)["num_hidden_layers"]
-    blocks = cfg.critic.num_layers or critic_blocks or layers
+    elem = 4 if dtype_name(dtype) == "float32" else 2
+    stored = 4 if str(c.get("torch_dtype") or c.get("dtype") or "bfloat16").removeprefix("torch.") == "float32" else 2
+    base = files * (0.35 if cfg.model.quantization != "none" else elem / stored)
+    layers = c["num_hidden_layers"]
+    blocks = min(cfg.critic.num_layers or critic_blocks or layers, layers)
     rank, targets = adapter_shape(cfg)
     adapter = lora_params(cfg, rank, targets) * TRAINED_PARAM_BYTES
-    critic = base * min(blocks, layers) / layers
-    if cfg.critic.train:
-        critic += lora_params(cfg, cfg.critic.lora_r or 0, list(cfg.learner.target_modules)) * TRAINED_PARAM_BYTES * blocks / layers
+    critic = base * blocks / layers
+    if cfg.critic.train and cfg.critic.lora_r:  # (full fine-tuning needs fp32, which vLLM's GPU LoRA refuses)
+        critic += lora_params(cfg, cfg.critic.lora_r, list(cfg.learner.target_modules)) * TRAINED_PARAM_BYTES * blocks / layers
     return int(base + adapter + critic + 2 * CONTEXT_BYTES)
 
 
@@ -147,7 +150,7 @@ def gpu_plan(cfg, dtype, total_bytes: int, critic_blocks: int | None = None):
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
                        colocated=colocated, weight_bytes=weight_bytes(cfg), total_bytes=total_bytes,
                        eager=ro.enforce_eager,
-                       resident_bytes=colocated_resident_bytes(cfg, critic_blocks) if colocated else 0)
+                       resident_bytes=colocated_resident_bytes(cfg, dtype, critic_blocks) if colocated else 0)
 
 
 def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None,

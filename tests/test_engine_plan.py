@@ -129,23 +129,33 @@ def test_no_room_for_an_engine_is_one_line_naming_the_field():
 
 def test_the_residents_estimate_counts_the_adapter_as_peft_builds_it(tiny_dir):
     """lora_params matches the trainable parameters of a PEFT LoRA on the tiny model; the residents' estimate
-    grows with the critic's depth and shrinks with an NF4 base."""
+    grows with the critic's depth, its training and the run's precision, and shrinks with an NF4 base."""
     import json
 
+    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rollout.vllm_engine import CONTEXT_BYTES, colocated_resident_bytes, lora_params
+    from rollout.vllm_engine import CONTEXT_BYTES, TRAINED_PARAM_BYTES, colocated_resident_bytes, lora_params
 
     path = tiny_dir / "model"
-    cfg = build_config({"model": {"path": str(path)}, "placement": {"mode": "colocated"}})
+    c = json.loads((path / "config.json").read_text())
+
+    def cfg(**sections):
+        return build_config({"model": {"path": str(path)}, "placement": {"mode": "colocated"}, **sections})
+
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=targets))
-    assert lora_params(cfg, 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    files = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    whole = colocated_resident_bytes(cfg)
-    assert whole >= 2 * files + 2 * CONTEXT_BYTES  # the base twice: the policy's and a full-depth critic's
-    assert colocated_resident_bytes(cfg, critic_blocks=1) == pytest.approx(whole - files * (layers - 1) / layers, abs=2)
-    nf4 = build_config({"model": {"path": str(path), "quantization": "nf4"}, "placement": {"mode": "colocated"}})
-    assert colocated_resident_bytes(nf4) < whole
+    assert lora_params(cfg(), 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    layers, files = c["num_hidden_layers"], sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    base = files * (4 if c.get("torch_dtype", c.get("dtype")) != "float32" else 2) // 4  # the checkpoint's bf16 size
+    adapter = lora_params(cfg(), 128, targets) * TRAINED_PARAM_BYTES  # the default fresh adapter
+    bf16 = torch.bfloat16
+    whole = colocated_resident_bytes(cfg(), bf16)
+    assert whole == pytest.approx(2 * base + adapter + 2 * CONTEXT_BYTES, abs=4)  # the policy's base and a full-depth critic
+    assert colocated_resident_bytes(cfg(), bf16, critic_blocks=1) == pytest.approx(whole - base * (layers - 1) / layers, abs=4)
+    assert colocated_resident_bytes(cfg(model={"path": str(path), "quantization": "nf4"}), bf16) < whole
+    # a trained critic adds its adapter's optimiser state; a run in fp32 holds the bases at 4 bytes a weight
+    assert whole < colocated_resident_bytes(cfg(critic={"train": True, "lora_r": 4}), bf16) < whole + base
+    fp32 = colocated_resident_bytes(cfg(), torch.float32)
+    assert fp32 == pytest.approx(4 * base + adapter + 2 * CONTEXT_BYTES, abs=4)
