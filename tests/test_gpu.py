@@ -417,6 +417,58 @@ def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3
 
 
+def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_gpu(tiny_bf16_dir, monkeypatch):
+    """rollout.vector_input=multimodal on vLLM 0.26's V2 runner: a group's samples share their prompt's blocks, a
+    twin (same ids, another vector) only those before the marker, and the twin matches the learner; with the
+    item's hash keys switched off it would not. The same seed gives the same tokens, another seed others (the V2
+    runner samples seeded requests with its own noise, not this project's patched V1 sampler)."""
+    vllm = pytest.importorskip("vllm")
+    from vllm.v1.core import kv_cache_utils
+
+    from learner.learner import Learner
+    from rollout.vllm_compat import model_runner
+    from rollout.vllm_engine import VllmEngine
+    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch, vectors_of
+
+    block = 16
+    spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
+    base = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
+                       max_num_seqs=32, engine_options={"enforce_eager": True, "block_size": block})
+    raw = base.model_dump(mode="python")
+    raw["model"]["dtype"] = "bfloat16"
+    raw["rollout"]["vector_input"] = "multimodal"
+    raw["placement"]["mode"] = "colocated"
+    raw["critic"]["lora_r"] = 8
+    cfg = build_config(raw, "gpu-test")
+    learner = Learner(cfg, spec, "cuda")
+    engine = VllmEngine(cfg, spec, "cuda")
+
+    def twin_mismatch(samples, batch):
+        G = cfg.rollout.group_size
+        twin = samples[G:2 * G]
+        ours = learner.logprobs(twin, torch.stack([torch.as_tensor(v) for v in vectors_of(twin, batch)]))
+        return torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(twin, ours)]).abs().mean().item()
+
+    try:
+        assert engine.prefix_caching
+        if vllm.__version__.startswith("0.26"):
+            assert model_runner(engine.llm) == "v2"
+        engine.load_adapter(learner.export_adapter(device="same"))
+        batch = twin_batch(tiny_bf16_dir, engine, block)
+        hits = cache_hits(engine)
+        samples = engine.generate(batch, seed=3)
+        assert hits_per_request(hits) == expected_hits(batch[0], cfg.rollout.group_size, block), hits
+        assert [s.response_ids for s in engine.generate(batch, seed=3)] == [s.response_ids for s in samples]
+        assert [s.response_ids for s in engine.generate(batch, seed=4)] != [s.response_ids for s in samples]
+        safe = twin_mismatch(samples, batch)
+        monkeypatch.setattr(kv_cache_utils, "_gen_mm_extra_hash_keys", lambda request, start, end, mm_idx: ([], mm_idx))
+        unsafe = twin_mismatch(engine.generate(batch, seed=3), batch)
+        print(f"multimodal: twin mean |dlogp| {safe:.2e} with the item's keys, {unsafe:.2e} without")
+        assert safe < 0.05 and unsafe > 3 * safe
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])
 def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode, monkeypatch):
     """vLLM 0.26's prefix cache with prompt embeddings (16-token blocks): a group's samples share their
