@@ -70,7 +70,10 @@ def marker_input_options(cfg, marker_id: int) -> dict:
     marker's row as a multimodal item (``rollout.vllm_marker_input``)."""
     from rollout import vllm_marker_input as marker
 
-    return {**marker.engine_options(), "hf_overrides": checkpoint_overrides(cfg, marker.hf_overrides, marker_id)}
+    layer = cfg.injection.karvonen_layer if cfg.injection.mode == "karvonen" else None
+    return {**marker.engine_options(),
+            "hf_overrides": checkpoint_overrides(cfg, lambda arch, mid: marker.hf_overrides(arch, mid, layer),
+                                                 marker_id)}
 
 
 def model_shape(cfg, dtype) -> dict:
@@ -175,10 +178,10 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         # (an embedding LoRA under prompt_embeds crashes the engine)
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
                       lora_target_modules=targets)
-    if cfg.injection.mode == "karvonen":
-        kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
-    if ro.vector_input == "multimodal":
+    if ro.vector_input == "multimodal":  # either mode: the marker-input class (karvonen's with it on top)
         kwargs.update(marker_input_options(cfg, marker_id))
+    elif cfg.injection.mode == "karvonen":
+        kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
     from shared.quantization import vllm_options
 
     if vllm_quantizes(cfg):
@@ -326,10 +329,17 @@ class VllmEngine(RolloutEngine):
 
         check_request(req, self.spec)
         prompt = {"prompt_token_ids": list(req.prompt_ids)}
-        if inject:  # the marker's row alone: embed_prompt over that one token, with the vector in its place
-            row = embed_prompt(req.prompt_ids[req.site:req.site + 1], self.embed_weight, 0,
-                               request_vector(req, self.spec.d_model), self.scale, self.embed_multiplier)[0]
-            prompt["multi_modal_data"] = marker_item(row)
+        if not inject:
+            return prompt
+        vector = request_vector(req, self.spec.d_model)
+        if self.karvonen:  # the sentinel that carries the vector, as the prompt embeddings would at the marker
+            from rollout.vllm_karvonen import sentinel_row
+
+            row = sentinel_row(vector).to(self.embed_weight.dtype)
+        else:  # the marker's row alone: embed_prompt over that one token, with the vector in its place
+            row = embed_prompt(req.prompt_ids[req.site:req.site + 1], self.embed_weight, 0, vector, self.scale,
+                               self.embed_multiplier)[0]
+        prompt["multi_modal_data"] = marker_item(row)
         return prompt
 
     def sampling_params(self, seed: int, row_id: int, ignore_eos: bool = False):

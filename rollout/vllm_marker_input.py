@@ -9,22 +9,32 @@ no raw images allowed). The model class below is the checkpoint's own class that
 marker's input embedding. vLLM hashes an item's bytes into the blocks that hold it, so prompts with the same
 tokens and another vector still never share KV blocks, and a group's samples share their parent's item.
 
-Classes are registered by name through the plugin (``rollout.vllm_plugin``); importing this module builds
-them and registers their input processor with vLLM.
+karvonen mode takes the same route: its item is the marker's sentinel row (``rollout.vllm_karvonen``), and the
+class is the karvonen class of the checkpoint's architecture with this item input on top, so its forward finds
+the sentinel in the input embeddings as it does in prompt embeddings.
+
+Classes are registered by name through the plugin (``rollout.vllm_plugin``); the first lookup of one builds
+them all and registers their input processor with vLLM.
 """
 from __future__ import annotations
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 PREFIX = "NlaMarkerInput"
+KARVONEN = "NlaKarvonen"  # rollout.vllm_karvonen.PREFIX (not imported: this module loads without torch)
+CLASS_NAMES = tuple(PREFIX + inner + arch for arch in ARCHITECTURES for inner in ("", KARVONEN))
 MODALITY = "image"  # a modality vLLM parses embeddings for; nothing here is an image
 
 
-def hf_overrides(architecture: str, marker_id: int) -> dict:
-    """``hf_overrides`` selecting the class for the checkpoint's architecture, with the marker it reads."""
+def hf_overrides(architecture: str, marker_id: int, karvonen_layer: int | None = None) -> dict:
+    """``hf_overrides`` selecting the class for the checkpoint's architecture, with the marker it reads (and, for
+    karvonen mode, the block after which it injects)."""
     if architecture not in ARCHITECTURES:
         raise ValueError(f"rollout.vector_input multimodal: expected a model of {', '.join(ARCHITECTURES)}, "
                          f"found {architecture}")
-    return {"architectures": [PREFIX + architecture], "nla_marker_id": int(marker_id)}
+    if karvonen_layer is None:
+        return {"architectures": [PREFIX + architecture], "nla_marker_id": int(marker_id)}
+    return {"architectures": [PREFIX + KARVONEN + architecture], "nla_karvonen_layer": int(karvonen_layer),
+            "nla_marker_id": int(marker_id)}
 
 
 def engine_options() -> dict:
@@ -108,13 +118,16 @@ def _build():
         MarkerInput.__module__ = __name__
         return MarkerInput
 
-    return {PREFIX + "Qwen3ForCausalLM": text_class(Qwen3ForCausalLM)}
+    from rollout import vllm_karvonen
+
+    return {PREFIX + "Qwen3ForCausalLM": text_class(Qwen3ForCausalLM),
+            PREFIX + KARVONEN + "Qwen3ForCausalLM": text_class(getattr(vllm_karvonen, KARVONEN + "Qwen3ForCausalLM"))}
 
 
 def __getattr__(name: str):
     """vLLM imports ``rollout.vllm_marker_input:<class>`` where it builds or inspects a model: the classes are built
     (and their processor registered) on first use, once; later lookups find them in the module."""
-    if name not in {PREFIX + arch for arch in ARCHITECTURES}:
+    if name not in CLASS_NAMES:
         raise AttributeError(name)
     globals().update(_build())  # every class at once: this runs once, as they are then found in the module
     return globals()[name]

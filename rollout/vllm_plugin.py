@@ -34,11 +34,11 @@ def register() -> None:
         from rollout.vllm_karvonen import ARCHITECTURES, PREFIX
 
         known = set(ModelRegistry.get_supported_archs())
-        for module, prefix, archs in (("rollout.vllm_karvonen", PREFIX, ARCHITECTURES),
-                                      (marker.__name__, marker.PREFIX, marker.ARCHITECTURES)):
-            for arch in archs:
-                if prefix + arch not in known:
-                    ModelRegistry.register_model(prefix + arch, f"{module}:{prefix + arch}")
+        for module, names in (("rollout.vllm_karvonen", [PREFIX + arch for arch in ARCHITECTURES]),
+                              (marker.__name__, marker.CLASS_NAMES)):
+            for name in names:
+                if name not in known:
+                    ModelRegistry.register_model(name, f"{module}:{name}")
     except Exception as exc:  # noqa: BLE001 - see the docstring
         import logging
 

@@ -145,10 +145,10 @@ class RolloutConfig(_Section):
     runs (a cuda_ipc push forwards its handle to the worker). tensor_parallel_size > 1 and weight_sync file
     always run their own processes."""
     vector_input: Literal["prompt_embeds", "multimodal"] = "prompt_embeds"
-    """How an embed-mode prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1
-    model runner); multimodal, token ids with the marker's injected row as an embeddings-only item
+    """How a prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1 model
+    runner); multimodal, token ids with the marker's injected row (karvonen: its sentinel) as an embeddings-only item
     (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner: 0.90x the rollout of a
-    64 x 8 job on an H100, k3 unchanged (benchmarks/RESULTS.md §17; Qwen3 checkpoints, injection.mode embed)."""
+    64 x 8 job on an H100, k3 unchanged (benchmarks/RESULTS.md §17; Qwen3 checkpoints; karvonen not yet on a GPU)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, or with vector_input multimodal on the marker item's hash, so prompts with other vectors never
@@ -702,11 +702,11 @@ def own_process_is_vllms(cfg):
 
 
 @_rule
-def multimodal_vector_input_is_vllms_embed_mode(cfg):
+def multimodal_vector_input_is_vllms(cfg):
     r = cfg.rollout
-    if r.vector_input == "multimodal" and (r.backend != "vllm" or cfg.injection.mode != "embed"):
-        return (f"rollout.vector_input=multimodal puts embed mode's marker row into vLLM as an item: needs "
-                f"rollout.backend=vllm and injection.mode=embed, found {r.backend} and {cfg.injection.mode}")
+    if r.vector_input == "multimodal" and r.backend != "vllm":
+        return (f"rollout.vector_input=multimodal puts the marker's row into vLLM as an item: needs "
+                f"rollout.backend=vllm, found {r.backend}")
 
 
 @_rule

@@ -128,16 +128,19 @@ def test_merged_adapter_rollout_stays_close_to_the_learner(tiny_bf16_dir, mode):
     print(f"{mode}: k3 adapter {adapter}, merged {merged}")
 
 
-@pytest.mark.parametrize("lora", ["adapter", "merged"])
-def test_the_multimodal_vector_input_runs_vllms_v2_runner_and_stays_close_to_the_learner(tiny_bf16_dir, lora):
+@pytest.mark.parametrize("mode,lora", [("embed", "adapter"), ("embed", "merged"), ("karvonen", "adapter")])
+def test_the_multimodal_vector_input_runs_vllms_v2_runner_and_stays_close_to_the_learner(tiny_bf16_dir, mode, lora):
     """rollout.vector_input=multimodal on the GPU: with no prompt embeddings vLLM 0.26 runs its V2 model runner
     (the prompt-embeds route the V1 runner), and after each of three pushes the rollout's k3 against the learner
-    stays within 2x of the prompt-embeds route's, plus the bf16 noise allowance."""
+    stays within 2x of the prompt-embeds route's, plus the bf16 noise allowance. karvonen: its compiled class
+    with the item input on top, chunked prefill with the marker in a later chunk."""
     vllm = pytest.importorskip("vllm")
-    embeds = _parity_k3(tiny_bf16_dir, "memory", None, "none", lora=lora)
-    items = _parity_k3(tiny_bf16_dir, "memory", None, "none", lora=lora, vector_input="multimodal")
-    runners = {v: _RUNNER[(str(tiny_bf16_dir), "memory", None, "none", lora, v)] for v in ("prompt_embeds", "multimodal")}
-    print(f"vector input, lora {lora}: k3 prompt_embeds {embeds} ({runners['prompt_embeds']}), "
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
+    embeds = _parity_k3(tiny_bf16_dir, "memory", injection, "none", lora=lora)
+    items = _parity_k3(tiny_bf16_dir, "memory", injection, "none", lora=lora, vector_input="multimodal")
+    key = (str(tiny_bf16_dir), "memory", injection and injection["mode"], "none", lora)
+    runners = {v: _RUNNER[(*key, v)] for v in ("prompt_embeds", "multimodal")}
+    print(f"vector input, {mode}, lora {lora}: k3 prompt_embeds {embeds} ({runners['prompt_embeds']}), "
           f"multimodal {items} ({runners['multimodal']})")
     assert runners["prompt_embeds"] == "v1"
     if vllm.__version__.startswith("0.26"):

@@ -171,3 +171,9 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
                        marker_id=7)
     assert kw["hf_overrides"] == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"], "nla_marker_id": 7}
     assert kw["enable_prompt_embeds"] is False and kw["enable_mm_embeds"] is True
+    # karvonen mode on the route: its injecting class with the item input on top, and its layer
+    kw = engine_kwargs(build_config({"model": model, "injection": {"mode": "karvonen", "karvonen_layer": 1},
+                                     "rollout": {"vector_input": "multimodal"}}), "cuda", torch.bfloat16, marker_id=7)
+    assert kw["hf_overrides"] == {"architectures": ["NlaMarkerInputNlaKarvonenQwen3ForCausalLM"],
+                                  "nla_karvonen_layer": 1, "nla_marker_id": 7}
+    assert kw["enable_prompt_embeds"] is False and kw["enable_mm_embeds"] is True

@@ -1,6 +1,7 @@
 """Prefix caching in the vLLM backend is safe for the vector: a group's samples share their prompt's KV,
-a prompt with the same token ids and another vector never does (embed and karvonen injection, and embed mode's
-row sent as a multimodal item, with an adapter), and the check itself catches a cache keyed on token ids alone."""
+a prompt with the same token ids and another vector never does (embed and karvonen injection, each also with the
+marker's row sent as a multimodal item, with an adapter), and the check itself catches a cache keyed on token ids
+alone."""
 import pytest
 
 from rollout_support import cache_hits, expected_hits, hits_per_request, max_abs_diff, tiny_config, twin_batch, update_for, vectors_of
@@ -13,14 +14,14 @@ PARITY_ATOL = 1e-4
 BLOCK = 32  # the CPU attention backend's smallest block; the tiny prompts (43 tokens) fill one, the marker inside it
 
 
-@pytest.fixture(scope="module", params=["embed", "karvonen", "multimodal"])
+@pytest.fixture(scope="module", params=["embed", "karvonen", "multimodal", "karvonen-multimodal"])
 def engines(request, tiny_dir):
     from rollout.hf_engine import HfEngine
     from rollout.vllm_engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
-    injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param == "karvonen" else None
-    route = {"vector_input": "multimodal"} if request.param == "multimodal" else {}
+    injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param.startswith("karvonen") else None
+    route = {"vector_input": "multimodal"} if request.param.endswith("multimodal") else {}
     cfg = tiny_config(tiny_dir, injection, group_size=4, max_new_tokens=12, engine_options={"block_size": BLOCK}, **route)
     assert cfg.rollout.prefix_caching  # the default
     vllm_engine, hf = VllmEngine(cfg, spec), HfEngine(cfg, spec)

@@ -274,8 +274,11 @@ def test_the_marker_input_route_names_its_class_and_refuses_other_architectures(
 
     assert marker.hf_overrides("Qwen3ForCausalLM", 7) == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"],
                                                          "nla_marker_id": 7}
-    with pytest.raises(ValueError, match="expected a model of Qwen3ForCausalLM, found LlamaForCausalLM"):
-        marker.hf_overrides("LlamaForCausalLM", 7)
+    assert marker.hf_overrides("Qwen3ForCausalLM", 7, karvonen_layer=2) == {
+        "architectures": ["NlaMarkerInputNlaKarvonenQwen3ForCausalLM"], "nla_karvonen_layer": 2, "nla_marker_id": 7}
+    for layer in (None, 2):
+        with pytest.raises(ValueError, match="expected a model of Qwen3ForCausalLM, found LlamaForCausalLM"):
+            marker.hf_overrides("LlamaForCausalLM", 7, layer)
     options = marker.engine_options()
     assert options["enable_prompt_embeds"] is False and options["limit_mm_per_prompt"] == {marker.MODALITY: 0}
     row = torch.arange(6.0)
@@ -289,13 +292,18 @@ def test_the_marker_input_classes_are_built_once_and_found_again(monkeypatch):
     pytest.importorskip("vllm")
     from rollout import vllm_marker_input as marker
 
-    for arch in marker.ARCHITECTURES:  # as if nothing were built yet (an earlier engine may have built them)
-        monkeypatch.delitem(vars(marker), marker.PREFIX + arch, raising=False)
+    for name in marker.CLASS_NAMES:  # as if nothing were built yet (an earlier engine may have built them)
+        monkeypatch.delitem(vars(marker), name, raising=False)
     builds, build = [], marker._build
     monkeypatch.setattr(marker, "_build", lambda: builds.append(1) or build())
     name = marker.PREFIX + "Qwen3ForCausalLM"
     cls = getattr(marker, name)
     assert getattr(marker, name) is cls and cls.__name__ == name and len(builds) == 1
+    # the karvonen class with the item input, built in the same pass: the stock class's subclass via karvonen's
+    from rollout import vllm_karvonen
+
+    both = getattr(marker, marker.PREFIX + "NlaKarvonenQwen3ForCausalLM")
+    assert issubclass(both, getattr(vllm_karvonen, "NlaKarvonenQwen3ForCausalLM")) and len(builds) == 1
     with pytest.raises(AttributeError):
         getattr(marker, marker.PREFIX + "LlamaForCausalLM")
     assert len(builds) == 1
