@@ -11,11 +11,12 @@ Pure functions of the run config and the model's shape, so the sizes can be test
 - ``gpu_memory_utilization: auto``: colocated, the engine reserves the KV cache one step needs (a group's
   shared prompt blocks once with prefix caching, each sample's own tail and response blocks), +25%,
   and asks for weights + that + a fixed ``ENGINE_OVERHEAD_BYTES`` for activations and graphs; the
-  rest of the GPU is the learner's and the critic's. What they hold while the engine is awake (their
-  weights, the adapter's optimiser state: ``resident_bytes``) comes off the top first: where one step's KV
-  does not fit beside them (128 x 8 at 8B on an 80 GB card), the engine gets what is left and vLLM runs
-  the step in waves, rather than the learner failing to start. On a GPU of its own an engine takes
-  ``SPLIT_SHARE``.
+  rest of the GPU is the learner's and the critic's. What they hold while the engine is awake
+  (``resident_bytes``, ``rollout.colocated_memory``) comes off the top first. Where one step's KV does not
+  fit beside them (128 x 8 at 8B on an 80 GB card), the engine gets what is left and ``max_num_seqs: auto``
+  admits only the groups whose longest KV fits, so the step runs in waves of whole groups instead of vLLM
+  preempting samples late in their decode (it admits a request once its prompt fits); the learner no longer
+  fails to start. On a GPU of its own an engine takes ``SPLIT_SHARE``.
 """
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ class EnginePlan:
         if self.kv_needed_bytes is None or self.kv_cache_bytes is None or self.kv_cache_bytes >= self.kv_needed_bytes:
             return None
         gib = 1 << 30
-        return (f"[plan] one step's KV cache ({self.kv_needed_bytes / gib:.1f} GiB) does not fit beside "
-                f"the learner and critic: the engine holds {self.kv_cache_bytes / gib:.1f} GiB and vLLM runs the step "
-                f"in waves (a bigger GPU, placement.mode: split or model.quantization: nf4 avoid them)")
+        return (f"[plan] one step's KV cache ({self.kv_needed_bytes / gib:.1f} GiB) does not fit beside the learner "
+                f"and critic: the engine holds {self.kv_cache_bytes / gib:.1f} GiB and decodes at most "
+                f"{self.max_num_seqs} samples at once, the step in waves (placement.mode: split avoids them)")
 
     def engine_kwargs(self) -> dict:
         out = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
@@ -91,12 +92,14 @@ def step_kv_tokens(groups: int, group_size: int, prompt_tokens: int, max_new_tok
 
 
 def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict, *, colocated: bool,
-                weight_bytes: int, total_bytes: int, eager: bool, resident_bytes: int = 0) -> EnginePlan:
+                weight_bytes: int, total_bytes: int, eager: bool, resident_bytes: int = 0,
+                max_model_len: int = 0) -> EnginePlan:
     """The plan for ``ro`` (the run's ``rollout`` section) on one GPU engine.
 
     ``model_shape``: layers, kv_heads, head_dim, elem_bytes of the KV cache; ``weight_bytes`` what the
     engine's weights take on the GPU; ``total_bytes`` the GPU's memory; ``resident_bytes`` what the learner
-    and the critic hold on it while the engines are awake (colocated)."""
+    and the critic hold on it while the engines are awake (colocated); ``max_model_len`` the longest request the
+    engine admits (vLLM refuses to start unless the KV cache holds one)."""
     groups = math.ceil(prompts_per_step / ro.num_engines)  # prompts one engine gets in a step
     seqs = min(4096, round_up(groups * ro.group_size, 16)) if ro.max_num_seqs == "auto" else ro.max_num_seqs
     graphs = None if eager else capture_sizes(seqs)
@@ -110,15 +113,21 @@ def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict
         tokens = step_kv_tokens(groups, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching)
         needed = tokens * per_token
         room = (COLOCATED_SHARE * total_bytes - resident_bytes) / ro.num_engines - weight_bytes - ENGINE_OVERHEAD_BYTES
-        one_sample = round_up(prompt_tokens + ro.max_new_tokens + 1, BLOCK) * per_token
-        if room < one_sample:
+        per_group = step_kv_tokens(1, ro.group_size, prompt_tokens, ro.max_new_tokens, ro.prefix_caching) * per_token
+        floor = max(per_group, round_up(max_model_len, BLOCK) * per_token)
+        if room < floor:
             gib = 1 << 30
             raise NlaInputError("rollout.gpu_memory_utilization", (
-                f"auto: a {total_bytes / gib:.1f} GiB GPU has no room for an engine's KV cache: the learner and critic "
-                f"hold about {resident_bytes / gib:.1f} GiB, each of {ro.num_engines} engine(s) {weight_bytes / gib:.1f} "
-                f"GiB of weights + {ENGINE_OVERHEAD_BYTES / gib:.0f} GiB of activations and graphs; place them apart "
-                f"(placement.mode: split) or quantise (model.quantization: nf4)"))
+                f"auto: a {total_bytes / gib:.1f} GiB GPU leaves an engine {max(room, 0) / gib:.1f} GiB of KV cache, "
+                f"under the {floor / gib:.1f} GiB that one group (or vLLM's longest request, max_model_len "
+                f"{max_model_len}) needs: the learner and critic hold about {resident_bytes / gib:.1f} GiB, each of "
+                f"{ro.num_engines} engine(s) {weight_bytes / gib:.1f} GiB of weights and "
+                f"{ENGINE_OVERHEAD_BYTES / gib:.0f} GiB of activations; use placement.mode: split, fewer engines, a "
+                f"4-bit base or a smaller rollout.engine_options.max_model_len"))
         kv = min(int(needed * KV_MARGIN), int(room))
+        if kv < needed and ro.max_num_seqs == "auto":  # waves of whole groups, not preemption
+            seqs = min(seqs, max(1, kv // per_group) * ro.group_size)
+            graphs = None if eager else capture_sizes(seqs)
         # vLLM checks at start that this share of the GPU is free; with kv_cache_memory_bytes set it
         # reserves exactly that KV cache whatever the share says
         util = min(COLOCATED_SHARE, (weight_bytes + kv + ENGINE_OVERHEAD_BYTES) / total_bytes)

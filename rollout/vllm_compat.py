@@ -92,23 +92,6 @@ def model_runner(llm) -> str:
     return "v2" if getattr(config, "use_v2_model_runner", False) else "v1"
 
 
-def settle_device_memory() -> None:
-    """Hand torch's cached free blocks back to the GPU before an engine starts.
-
-    vLLM 0.26 sizes an engine by the GPU's free memory and asserts that it did not grow while it profiled
-    ("Error in memory profiling ... other processes ... release GPU memory"); the profiling empties torch's
-    cache itself, so blocks this process had freed before (a learner built just before the engine, in the
-    same process: the parity tests, an in-process colocated run) came back mid-profile and tripped it once
-    on an H100 (benchmarks/RESULTS.md §17). Emptied first, they are free before the snapshot."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def shutdown_engine_core(llm) -> None:
     """Stop the engine core's processes now (dropping the ``LLM`` leaves them to the garbage collector)."""
     core = _engine_core(llm)

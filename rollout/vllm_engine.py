@@ -1,10 +1,11 @@
-"""The fast rollout backend: ``vllm.LLM`` fed prompt embeddings with the activation already in place.
+"""The fast rollout backend: ``vllm.LLM`` fed prompts with the activation already in place.
 
 The actor reads only ``embed_tokens`` from the checkpoint and builds each prompt's embeddings with
 ``shared.injection.embed_prompt`` (the learner uses the same function), so in ``embed`` mode the
 marker row holds the rescaled activation. In ``karvonen`` mode the marker row holds a sentinel carrying
 the vector, which the injecting model class turns into the block-L add inside vLLM's compiled forward
-(``rollout.vllm_karvonen``). Sampling is the
+(``rollout.vllm_karvonen``). With ``rollout.vector_input: multimodal`` the prompt goes as token ids and only
+that marker row as an embeddings-only item (``rollout.vllm_marker_input``). Sampling is the
 contract's: T = 1, no top-p/top-k/repetition penalty, sampled-token logprobs, stop on every stop id,
 a token cap.
 """
@@ -90,11 +91,12 @@ def model_shape(cfg, dtype) -> dict:
             "head_dim": c.get("head_dim") or c["hidden_size"] // heads, "elem_bytes": elem}
 
 
-def weight_bytes(cfg) -> int:
-    """The engine's weights on the GPU: the checkpoint's size, about a third of it quantised to 4 bits
-    (a merged engine holds the NF4 base dequantised, in the checkpoint's bf16)."""
-    files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    return int(files * (0.35 if vllm_quantizes(cfg) else 1.0))
+def weight_bytes(cfg, dtype=None) -> int:
+    """The engine's weights on the GPU, in the run's ``dtype`` (bf16 where None): the base, or about a third of it
+    quantised to 4 bits (a merged engine holds the NF4 base dequantised)."""
+    from rollout.colocated_memory import base_bytes
+
+    return base_bytes(cfg, 4 if dtype is not None and dtype_name(dtype) == "float32" else 2, vllm_quantizes(cfg))
 
 
 def vllm_quantizes(cfg) -> bool:
@@ -103,63 +105,28 @@ def vllm_quantizes(cfg) -> bool:
     return cfg.model.quantization != "none" and cfg.rollout.lora != "merged"
 
 
-CONTEXT_BYTES = 600 << 20  # a process's CUDA context and kernels (non-torch memory), learner and critic each
-TRAINED_PARAM_BYTES = 16  # an adapter parameter trained with AdamW: fp32 weight, gradient and two moments
-
-
-def lora_params(cfg, rank: int, targets: list[str]) -> int:
-    """Parameters of a rank-``rank`` LoRA on ``targets`` in every decoder block of the subject model."""
-    import json
-
-    c = json.loads((model_dir(cfg) / "config.json").read_text())
-    c = c.get("text_config", c)
-    hidden, inter, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
-    head_dim = c.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, (c.get("num_key_value_heads") or heads) * head_dim
-    sides = {"q_proj": hidden + q, "k_proj": hidden + kv, "v_proj": hidden + kv, "o_proj": q + hidden,
-             "gate_proj": hidden + inter, "up_proj": hidden + inter, "down_proj": inter + hidden}
-    return rank * sum(sides.get(t, 0) for t in targets) * c["num_hidden_layers"]
-
-
-def colocated_resident_bytes(cfg, dtype, critic_blocks: int | None = None) -> int:
-    """What the learner and the critic hold on a colocated GPU while the engines are awake: the policy's base in
-    the run's ``dtype`` (NF4 about a third of the bf16 checkpoint), the adapter with its optimiser state, the
-    critic's blocks (``critic_blocks`` of the model's, all where unknown) with its adapter's, each process's CUDA context."""
-    import json
-
-    c = json.loads((model_dir(cfg) / "config.json").read_text())
-    c = c.get("text_config", c)
-    files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    elem = 4 if dtype_name(dtype) == "float32" else 2
-    stored = 4 if str(c.get("torch_dtype") or c.get("dtype") or "bfloat16").removeprefix("torch.") == "float32" else 2
-    base = files * (0.35 if cfg.model.quantization != "none" else elem / stored)
-    layers = c["num_hidden_layers"]
-    blocks = min(cfg.critic.num_layers or critic_blocks or layers, layers)
-    rank, targets = adapter_shape(cfg)
-    adapter = lora_params(cfg, rank, targets) * TRAINED_PARAM_BYTES
-    critic = base * blocks / layers
-    if cfg.critic.train and cfg.critic.lora_r:  # (full fine-tuning needs fp32, which vLLM's GPU LoRA refuses)
-        critic += lora_params(cfg, cfg.critic.lora_r, list(cfg.learner.target_modules)) * TRAINED_PARAM_BYTES * blocks / layers
-    return int(base + adapter + critic + 2 * CONTEXT_BYTES)
-
-
-def gpu_plan(cfg, dtype, total_bytes: int, critic_blocks: int | None = None):
+def gpu_plan(cfg, dtype, total_bytes: int, critic=None):
     """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
-    the learner and a critic of ``critic_blocks`` blocks)."""
+    the learner and the critic, ``critic`` its ``critic.scoring.CriticMeta`` where known)."""
+    from rollout.colocated_memory import checkpoint_config, resident_bytes
     from rollout.engine_plan import plan_engine
 
     ro = cfg.rollout
     colocated = cfg.placement.mode == "colocated"
+    residents = 0
+    if colocated and ro.gpu_memory_utilization == "auto":
+        residents = resident_bytes(cfg, 4 if dtype_name(dtype) == "float32" else 2, adapter_shape(cfg), critic)
+    # vLLM refuses to start unless its KV cache holds one request of the longest length it admits
+    longest = ro.engine_options.get("max_model_len") or checkpoint_config(cfg).get("max_position_embeddings") or 0
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
-                       colocated=colocated, weight_bytes=weight_bytes(cfg), total_bytes=total_bytes,
-                       eager=ro.enforce_eager,
-                       resident_bytes=colocated_resident_bytes(cfg, dtype, critic_blocks) if colocated else 0)
+                       colocated=colocated, weight_bytes=weight_bytes(cfg, dtype), total_bytes=total_bytes,
+                       eager=ro.enforce_eager, resident_bytes=residents, max_model_len=int(longest))
 
 
 def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None,
-                  critic_blocks: int | None = None) -> dict:
-    """``vllm.LLM`` keyword arguments from the run config (``marker_id``: karvonen mode's marker token;
-    ``total_bytes``: the GPU's memory, and ``critic_blocks`` the critic's depth, for the engine plan)."""
+                  critic=None) -> dict:
+    """``vllm.LLM`` keyword arguments from the run config (``marker_id``: the marker token, for the karvonen and
+    marker-input classes; ``total_bytes``: the GPU's memory, and ``critic`` the critic's structure, for the plan)."""
     from rollout.vllm_compat import prefix_cache_keys_embeds
 
     ro = cfg.rollout
@@ -196,7 +163,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
             kwargs["max_num_seqs"] = ro.max_num_seqs
     else:
         if total_bytes:
-            plan = gpu_plan(cfg, dtype, total_bytes, critic_blocks)
+            plan = gpu_plan(cfg, dtype, total_bytes, critic)
             if plan.shortfall():
                 print(plan.shortfall(), flush=True)
             kwargs.update(plan.engine_kwargs())
@@ -261,12 +228,15 @@ class VllmEngine(RolloutEngine):
         from rollout.vllm_compat import flat_logprobs_option
 
         self._flat = flat_logprobs_option(vllm.SamplingParams)
-        total = None
+        total = critic = None
         if not cpu:
             import torch
 
+            from critic.scoring import critic_architecture
+
             total = torch.cuda.mem_get_info()[1]
-        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, critic_blocks=spec.layer_index + 1)
+            critic = critic_architecture(cfg, spec, self.dtype)  # what the plan leaves beside the engine for it
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, critic)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or cfg.rollout.vector_input == "multimodal":
             from rollout.vllm_plugin import registered
@@ -283,9 +253,6 @@ class VllmEngine(RolloutEngine):
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
         else:
-            from rollout.vllm_compat import settle_device_memory
-
-            settle_device_memory()
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":

@@ -6,7 +6,9 @@ engine with ``hf_overrides``. Each subclasses the stock vLLM model, so weights, 
 parallelism work unchanged; only the inner model's ``forward`` differs, and it is what vLLM
 compiles and captures in CUDA graphs.
 
-The per-request vector travels in the request's ``prompt_embeds``: the marker row is a *sentinel*,
+The per-request vector travels in the request's ``prompt_embeds`` (or, with ``rollout.vector_input:
+multimodal``, as the marker's embeddings-only item, which vLLM merges into the input embeddings the forward
+gets: ``rollout.vllm_marker_input``): the marker row is a *sentinel*,
 the vector's direction scaled to norm 2^14, far above any token embedding. Inside the forward every
 op is dense, shape-static and free of host syncs (so torch.compile and CUDA graphs keep it):
 
@@ -18,8 +20,9 @@ op is dense, shape-static and free of host syncs (so torch.compile and CUDA grap
 
 This holds under chunked prefill (a sentinel row sits in exactly one chunk), preemption (a recomputed
 prompt is re-fed its ``prompt_embeds``) and decode steps (a sampled token's embedding is never a
-sentinel: nothing is added). Prefix caching stays safe: vLLM hashes ``prompt_embeds`` into each
-block's cache key, so two prompts with the same token ids and different vectors never share KV.
+sentinel: nothing is added). Prefix caching stays safe: vLLM hashes ``prompt_embeds`` (a multimodal
+item's bytes) into each block's cache key, so two prompts with the same token ids and different vectors
+never share KV.
 """
 from __future__ import annotations
 

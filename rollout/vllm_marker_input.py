@@ -2,7 +2,7 @@
 
 vLLM 0.26 runs its V2 model runner for dense models unless prompt embeddings are enabled, and both injection
 routes of ``prompt_embeds`` enable them; at 64 x 8 on an H100 the V2 runner rolled token-id prompts out in 0.83x
-the V1 runner's time (benchmarks/RESULTS.md §16), and in a 64 x 8 job this route's rollout took 0.90x the
+the V1 runner's time (benchmarks/RESULTS.md §16), and in a 64 x 8 job (merged LoRA) this route's rollout took 0.90x the
 prompt-embeds one with k3 unchanged (§17). This route sends the prompt as token ids and only the marker's
 row, the one the prompt embeddings would carry there, as an "image" item of embeddings (``enable_mm_embeds``,
 no raw images allowed). The model class below is the checkpoint's own class that reads such an item as the

@@ -129,8 +129,8 @@ class RolloutConfig(_Section):
     """vLLM tensor-parallel size per engine."""
     gpu_memory_utilization: Union[Literal["auto"], Annotated[float, Field(gt=0.0, le=0.98)]] = "auto"
     """Share of the GPU each vLLM engine may take; auto = colocated, the weights plus the KV cache its part of one
-    step's batch needs, within what the learner and critic leave (less: the step runs in waves; rollout.engine_plan);
-    on a GPU of its own, 0.9."""
+    step's batch needs, within what the learner and critic leave (less: max_num_seqs auto admits the groups that
+    fit, the step in waves; rollout.engine_plan); on a GPU of its own, 0.9."""
     max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
     """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch."""
     lora: Literal["adapter", "merged"] = "adapter"
@@ -148,7 +148,7 @@ class RolloutConfig(_Section):
     """How a prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1 model
     runner); multimodal, token ids with the marker's injected row (karvonen: its sentinel) as an embeddings-only item
     (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner: 0.90x the rollout of a
-    64 x 8 job on an H100, k3 unchanged (benchmarks/RESULTS.md §17; Qwen3 checkpoints; karvonen not yet on a GPU)."""
+    64 x 8 job on an H100 (lora merged), k3 unchanged (benchmarks/RESULTS.md §17; Qwen3 checkpoints; karvonen not yet on a GPU)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, or with vector_input multimodal on the marker item's hash, so prompts with other vectors never

@@ -95,48 +95,66 @@ def test_the_kv_element_follows_the_engines_cache_dtype(tiny_dir):
 
 
 def test_the_colocated_kv_gives_way_to_what_the_learner_and_critic_hold():
-    """128 x 8 at 8B on an 80 GB card: one step's KV does not fit beside the learner and critic, so the engine
-    gets what they leave (vLLM runs the step in waves) instead of the learner failing to start; on a 141 GB
-    card the same residents leave the whole step's KV."""
+    """128 x 8 at 8B on an 80 GB card: one step's KV does not fit beside the learner and critic, so the engine gets
+    what they leave and admits only the groups whose longest KV fits (waves, not preemption), instead of the learner
+    failing to start; on a 141 GB card the same residents leave the whole step's KV and batch."""
     ro, resident = _ro(), 32 * GIB
     h100 = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=79 * GIB,
-                       eager=False, resident_bytes=resident)
+                       eager=False, resident_bytes=resident, max_model_len=40960)
     needed = step_kv_tokens(128, 8, 512, 150, True) * 147_456
+    per_group = step_kv_tokens(1, 8, 512, 150, True) * 147_456
     assert h100.kv_needed_bytes == needed and h100.kv_cache_bytes < needed
     assert 16 * GIB + h100.kv_cache_bytes + ENGINE_OVERHEAD_BYTES + resident <= COLOCATED_SHARE * 79 * GIB + 1
-    assert "waves" in h100.shortfall() and h100.engine_kwargs()["kv_cache_memory_bytes"] == h100.kv_cache_bytes
+    assert h100.max_num_seqs == h100.kv_cache_bytes // per_group * 8 < 1024 and h100.max_num_seqs % 8 == 0
+    assert h100.max_num_seqs * per_group // 8 <= h100.kv_cache_bytes  # every admitted group's longest KV fits
+    assert h100.capture_sizes[-1] >= h100.max_num_seqs and h100.capture_sizes[-1] < 1024
+    line = h100.shortfall()
+    assert f"at most {h100.max_num_seqs} samples at once" in line and "waves" in line
+    assert h100.engine_kwargs()["kv_cache_memory_bytes"] == h100.kv_cache_bytes
     h200 = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB,
-                       eager=False, resident_bytes=resident)
-    assert h200.kv_cache_bytes == int(needed * KV_MARGIN) and h200.shortfall() is None
+                       eager=False, resident_bytes=resident, max_model_len=40960)
+    assert h200.kv_cache_bytes == int(needed * KV_MARGIN) and h200.shortfall() is None and h200.max_num_seqs == 1024
     # the margin gives way first: room for the step's KV without all of its margin is not a shortfall
     tight = plan_engine(ro, 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB,
                         eager=False, resident_bytes=int(COLOCATED_SHARE * 141 * GIB) - 24 * GIB - int(needed * 1.1))
-    assert needed < tight.kv_cache_bytes < needed * KV_MARGIN and tight.shortfall() is None
+    assert needed < tight.kv_cache_bytes < needed * KV_MARGIN and tight.shortfall() is None and tight.max_num_seqs == 1024
     # engines on one card split what is left: four at 256 x 8 on the 141 GB card get less than a step's KV each
     four = plan_engine(_ro(num_engines=4), 256, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB,
                        total_bytes=141 * GIB, eager=False, resident_bytes=resident)
     assert four.kv_cache_bytes < four.kv_needed_bytes
     assert 4 * (16 * GIB + four.kv_cache_bytes + ENGINE_OVERHEAD_BYTES) + resident <= COLOCATED_SHARE * 141 * GIB + 4
+    # a max_num_seqs the user set stands
+    fixed = plan_engine(_ro(max_num_seqs=512), 128, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB,
+                        total_bytes=79 * GIB, eager=False, resident_bytes=resident)
+    assert fixed.max_num_seqs == 512 and fixed.kv_cache_bytes == h100.kv_cache_bytes
 
 
 def test_no_room_for_an_engine_is_one_line_naming_the_field():
     from shared.errors import NlaInputError
 
-    with pytest.raises(NlaInputError, match=r"rollout.gpu_memory_utilization: auto: a 40.0 GiB GPU has no room"):
+    with pytest.raises(NlaInputError, match=r"^rollout.gpu_memory_utilization: auto: a 40.0 GiB GPU leaves an engine"):
         plan_engine(_ro(), 64, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=40 * GIB,
                     eager=False, resident_bytes=16 * GIB)
+    # room for a group but not for vLLM's longest request (it refuses to start then): refused here, in one line
+    args = dict(colocated=True, weight_bytes=16 * GIB, total_bytes=int((24 + 3 + 16) * GIB / COLOCATED_SHARE),
+                eager=False, resident_bytes=16 * GIB)
+    assert plan_engine(_ro(), 64, 512, QWEN3_8B_KV, **args, max_model_len=4096).kv_cache_bytes <= 3 * GIB + 1
+    with pytest.raises(NlaInputError, match=r"max_model_len 40960"):
+        plan_engine(_ro(), 64, 512, QWEN3_8B_KV, **args, max_model_len=40960)
 
 
-def test_the_residents_estimate_counts_the_adapter_as_peft_builds_it(tiny_dir):
-    """lora_params matches the trainable parameters of a PEFT LoRA on the tiny model; the residents' estimate
-    grows with the critic's depth, its training and the run's precision, and shrinks with an NF4 base."""
+def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_path):
+    """lora_params matches PEFT's count on the tiny model; the estimate holds the policy's base and the critic's
+    blocks in the run's precision (half the files of an fp32-stored checkpoint in bf16), about a third of it in NF4,
+    and grows with what the critic trains and with the learner's working memory where the engines stay awake."""
     import json
+    import shutil
 
-    import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rollout.vllm_engine import CONTEXT_BYTES, TRAINED_PARAM_BYTES, colocated_resident_bytes, lora_params
+    from rollout.colocated_memory import (ADAM_STATE_BYTES, CONTEXT_BYTES, NF4_SHARE, TRAINED_PARAM_BYTES,
+                                          awake_update_bytes, bf16_bytes, lora_params, resident_bytes)
 
     path = tiny_dir / "model"
     c = json.loads((path / "config.json").read_text())
@@ -148,14 +166,61 @@ def test_the_residents_estimate_counts_the_adapter_as_peft_builds_it(tiny_dir):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=targets))
     assert lora_params(cfg(), 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers, files = c["num_hidden_layers"], sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    base = files * (4 if c.get("torch_dtype", c.get("dtype")) != "float32" else 2) // 4  # the checkpoint's bf16 size
-    adapter = lora_params(cfg(), 128, targets) * TRAINED_PARAM_BYTES  # the default fresh adapter
-    bf16 = torch.bfloat16
-    whole = colocated_resident_bytes(cfg(), bf16)
-    assert whole == pytest.approx(2 * base + adapter + 2 * CONTEXT_BYTES, abs=4)  # the policy's base and a full-depth critic
-    assert colocated_resident_bytes(cfg(), bf16, critic_blocks=1) == pytest.approx(whole - base * (layers - 1) / layers, abs=4)
-    assert colocated_resident_bytes(cfg(model={"path": str(path), "quantization": "nf4"}), bf16) < whole
-    # a trained critic adds its adapter's optimiser state; a run in fp32 holds the bases at 4 bytes a weight
-    assert whole < colocated_resident_bytes(cfg(critic={"train": True, "lora_r": 4}), bf16) < whole + base
-    fp32 = colocated_resident_bytes(cfg(), torch.float32)
-    assert fp32 == pytest.approx(4 * base + adapter + 2 * CONTEXT_BYTES, abs=4)
+    stored32 = str(c.get("torch_dtype", c.get("dtype"))) == "float32"
+    assert bf16_bytes(cfg()) == (files // 2 if stored32 else files)
+    # the same weights stored in the other precision count the same at two bytes each
+    other = tmp_path / "other"
+    shutil.copytree(path, other)
+    (other / "config.json").write_text(json.dumps({**c, "torch_dtype": "bfloat16" if stored32 else "float32"}))
+    assert bf16_bytes(build_config({"model": {"path": str(other)}})) == (files if stored32 else files // 2)
+
+    base, adapter = bf16_bytes(cfg()), (128, targets)
+    trained = lora_params(cfg(), 128, targets) * TRAINED_PARAM_BYTES
+    whole = resident_bytes(cfg(), 2, adapter)
+    assert whole == pytest.approx(2 * base + trained + 2 * CONTEXT_BYTES, abs=4)  # the policy's base, a full-depth critic
+    one = types_meta(num_layers=1, lora_r=0, target_modules=[])
+    assert resident_bytes(cfg(), 2, adapter, one) == pytest.approx(whole - base * (layers - 1) / layers, abs=4)
+    assert resident_bytes(cfg(model={"path": str(path), "quantization": "nf4"}), 2, adapter) == pytest.approx(
+        2 * NF4_SHARE * base + trained + 2 * CONTEXT_BYTES, abs=4)
+    assert resident_bytes(cfg(), 4, adapter) == pytest.approx(4 * base + trained + 2 * CONTEXT_BYTES, abs=4)  # fp32
+    # what the critic trains: its checkpoint's rank and modules, or every weight of its blocks
+    lora = types_meta(num_layers=layers, lora_r=4, target_modules=["q_proj"])
+    assert resident_bytes(cfg(critic={"train": True, "checkpoint": "ar"}), 2, adapter, lora) == pytest.approx(
+        whole + lora_params(cfg(), 4, ["q_proj"]) * TRAINED_PARAM_BYTES, abs=4)
+    full = types_meta(num_layers=layers, lora_r=0, target_modules=[])
+    assert resident_bytes(cfg(critic={"train": True, "checkpoint": "ar"}), 2, adapter, full) == pytest.approx(
+        whole + base / 2 * (2 + ADAM_STATE_BYTES), abs=4)
+    # engines that cannot sleep through the update leave the learner room for its smallest awake micro-batch
+    assert awake_update_bytes(cfg(), 2) == 0  # auto: they sleep when its room is short
+    awake = cfg(rollout={"sleep_during_update": False})
+    assert awake_update_bytes(awake, 2) > 0
+    assert resident_bytes(awake, 2, adapter) == whole + awake_update_bytes(awake, 2)
+
+
+def types_meta(**fields):
+    import types
+
+    return types.SimpleNamespace(**fields)
+
+
+def test_the_engine_plan_takes_the_residents_on_a_colocated_gpu(tiny_dir, capsys):
+    """engine_kwargs on a colocated GPU: the plan leaves the learner and critic what the estimate says they hold
+    (a card just big enough caps the KV and prints the [plan] line); a fixed share plans no residents."""
+    import torch
+
+    from rollout.colocated_memory import resident_bytes
+    from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
+    from rollout.vllm_engine import adapter_shape, engine_kwargs, gpu_plan, weight_bytes
+
+    model = {"path": str(tiny_dir / "model"), "dtype": "bfloat16"}
+    cfg = build_config({"model": model, "placement": {"mode": "colocated"}})
+    residents = resident_bytes(cfg, 2, adapter_shape(cfg))
+    whole = gpu_plan(cfg, torch.bfloat16, 1 << 40)
+    room = whole.kv_needed_bytes // 2  # KV room for half the step
+    total = int((residents + weight_bytes(cfg, torch.bfloat16) + ENGINE_OVERHEAD_BYTES + room) / COLOCATED_SHARE) + 1
+    kw = engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7, total_bytes=total)
+    assert room - (1 << 20) <= kw["kv_cache_memory_bytes"] <= room + 1
+    assert kw["max_num_seqs"] < whole.max_num_seqs and "[plan] one step's KV cache" in capsys.readouterr().out
+    fixed = build_config({"model": model, "placement": {"mode": "colocated"}, "rollout": {"gpu_memory_utilization": 0.3}})
+    kw = engine_kwargs(fixed, "cuda", torch.bfloat16, marker_id=7, total_bytes=total)
+    assert kw["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in kw
