@@ -2,8 +2,8 @@
 learner and the critic keep resident beside the engines while they are awake (``rollout.engine_plan`` takes the
 latter off the top of the GPU before it sizes the engines' KV cache).
 
-Estimates, not measurements: the 64 x 8 job at the 8B shape on an H100 held 32-33 GiB beside the engine (76 GiB at
-the rollout's peak less the engine's 43; benchmarks/RESULTS.md §17), and this counts 32.2 GiB for it.
+Estimates, not measurements: the 64 x 8 job at the 8B shape on an H100 held 31-33 GiB beside the engine (74-76 GiB
+at the rollout's peak less the engine's planned 43; benchmarks/RESULTS.md §17), and this counts 32.2 GiB for it.
 """
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ def checkpoint_config(cfg) -> dict:
 
 
 def bf16_bytes(cfg) -> int:
-    """The checkpoint's weights at two bytes each, whatever precision its files hold."""
+    """The checkpoint's weights at two bytes each, whatever precision its files hold (a checkpoint saved in NF4
+    holds ``NF4_SHARE`` of that)."""
     from rollout.vllm_engine import model_dir
 
     files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    stored = str(checkpoint_config(cfg).get("torch_dtype") or checkpoint_config(cfg).get("dtype") or "bfloat16")
+    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    if c.get("quantization_config"):
+        return int(files / NF4_SHARE)
+    c = c.get("text_config", c)
+    stored = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
     return int(files // 2) if stored.removeprefix("torch.") == "float32" else files
 
 

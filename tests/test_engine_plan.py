@@ -173,6 +173,9 @@ def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_pat
     shutil.copytree(path, other)
     (other / "config.json").write_text(json.dumps({**c, "torch_dtype": "bfloat16" if stored32 else "float32"}))
     assert bf16_bytes(build_config({"model": {"path": str(other)}})) == (files if stored32 else files // 2)
+    # a checkpoint saved in NF4 holds about a third of its bf16 size
+    (other / "config.json").write_text(json.dumps({**c, "quantization_config": {"load_in_4bit": True}}))
+    assert bf16_bytes(build_config({"model": {"path": str(other)}})) == int(files / NF4_SHARE)
 
     base, adapter = bf16_bytes(cfg()), (128, targets)
     trained = lora_params(cfg(), 128, targets) * TRAINED_PARAM_BYTES
