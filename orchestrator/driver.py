@@ -232,6 +232,8 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
 
     from learner.grpo import group_advantages
 
+    import ray
+
     cfg = job.cfg
     P, G = cfg.grpo.prompts_per_step, cfg.rollout.group_size
     overlap, sleep = cfg.grpo.overlap_rollout, cfg.rollout.sleep_during_update
@@ -253,11 +255,14 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         run.truncate_logs(start)
         phase = "push"
         version = push()
+        phase = "plan"
         if sleep == "auto":
-            phase = "plan"
             sleep = resolve_sleep(cfg, services.learner, log)
+        engines = ray.get([eng.describe.remote() for eng in services.rollouts])
     except BaseException as exc:
         raise _step_error(exc, start + 1, phase, services) from None
+    for line in dict.fromkeys(engines):  # each kind of engine once
+        log(f"[engine] {line}")
     asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)"
         + (f"; engines and learner up {time.time() - asked:.1f} s after the services were asked for" if asked else ""))

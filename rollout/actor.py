@@ -52,6 +52,9 @@ class RolloutActor:
     def adapter_version(self) -> int:
         return self.engine.adapter_version
 
+    def describe(self) -> str:
+        return self.engine.describe()
+
     def sleep(self) -> None:
         self.engine.sleep()
 

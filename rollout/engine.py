@@ -38,6 +38,10 @@ class RolloutEngine(ABC):
     def adapter_version(self) -> int:
         """Version of the adapter in use; 0 = no adapter."""
 
+    def describe(self) -> str:
+        """One line on what this engine runs (the start's log)."""
+        return type(self).__name__
+
     def sleep(self) -> None:
         """Give the GPU memory back while the learner updates (engines that cannot: an error)."""
         raise NotImplementedError(f"{type(self).__name__} cannot sleep")

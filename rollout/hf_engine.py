@@ -24,6 +24,9 @@ def lora_config_from_dict(peft_config: dict):
 class HfEngine(RolloutEngine):
     """HF transformers + PEFT rollout engine with the reference trainer's sampling behaviour."""
 
+    def describe(self) -> str:
+        return f"HF transformers on {self.device}, {self.cfg.injection.mode} injection"
+
     def __init__(self, cfg, spec, device: str = "cpu"):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

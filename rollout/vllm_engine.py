@@ -375,6 +375,19 @@ class VllmEngine(RolloutEngine):
             self._lora_request = self.registry.push(ForwardedUpdate(message.version, message))
         self._version = message.version
 
+    def describe(self) -> str:
+        """vLLM's version, its model runner, how the vector reaches it and the KV cache and batch it was planned."""
+        from rollout.vllm_compat import model_runner
+
+        kw, gib = self.plan_kwargs, 1 << 30
+        vector = ("the marker's row as a multimodal item" if self.cfg.rollout.vector_input == "multimodal"
+                  else "prompt embeddings")
+        kv = f", KV cache {kw['kv_cache_memory_bytes'] / gib:.1f} GiB" if kw.get("kv_cache_memory_bytes") else ""
+        seqs = f", up to {kw['max_num_seqs']} samples at once" if kw.get("max_num_seqs") else ""
+        return (f"vLLM {self._vllm.__version__} on {self.device}, {model_runner(self.llm).upper()} model runner, "
+                f"{self.cfg.injection.mode} injection through {vector}, LoRA {self.cfg.rollout.lora}, prefix caching "
+                f"{'on' if self.prefix_caching else 'off'}{kv}{seqs}")
+
     def sleep(self) -> None:
         # level 1 offloads the weights to host memory and drops the KV cache; level 2 would drop the
         # weights, and with them the frozen base this engine cannot reload from the learner

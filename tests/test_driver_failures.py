@@ -121,6 +121,9 @@ class FakeRollout:
     def adapter_version(self):
         return self.version
 
+    def describe(self):
+        return "a stand-in engine"
+
     def generate(self, requests, seed, ignore_eos=False, inject=True):
         if self.calls == self.die_at_call:
             os._exit(1)  # the process dies as a crashed engine would
@@ -174,6 +177,7 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
     assert [r["adapter_version"] for r in rows] == [2, 2, 3, 4]
     assert ray_local.get(services.critic.leader.trained_steps.remote()) == 3
     assert any(l.startswith("step 2: optimiser step skipped") for l in lines)
+    assert lines.count("[engine] a stand-in engine") == 1  # each kind of engine once, not once per engine
     assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
 
 
