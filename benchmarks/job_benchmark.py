@@ -147,8 +147,15 @@ def main() -> int:
     print("[job]", " ".join(cmd), flush=True)
     t = time.perf_counter()
     # every process on the GPU (vLLM, learner, critic), polled from outside the job: this script holds no CUDA context
+    engines = []  # the job's "[engine]" lines: which vLLM model runner ran, the planned KV cache and batch
     with SmiPoll() as smi:
-        proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        for line in proc.stdout:  # passed through as it comes
+            sys.stdout.write(line)
+            if line.startswith("[engine] "):
+                engines.append(line.removeprefix("[engine] ").strip())
+        proc.wait()
     gpu = smi.summary()
     peak_gib = gpu["memory.used"]["max"] / 1024
     wall = time.perf_counter() - t
@@ -165,7 +172,7 @@ def main() -> int:
     # the step as the loop repeats it: the final checkpoint (and any eval) left out
     med["step"] = statistics.median(r["wall_s"] - r["time/checkpoint"] - r["time/eval"] for r in warm)
     res = {
-        "config": vars(args), "job_config": job_config(root, args), "job_wall_s": wall, "steps": rows,
+        "config": vars(args), "job_config": job_config(root, args), "engines": engines, "job_wall_s": wall, "steps": rows,
         "median_after_first": med, "samples_per_s": args.prompts * args.group / med["step"],
         "device_memory_peak_gib": peak_gib, "device_memory_peak_gib_by_phase": phase_peak, "gpu_poll": gpu,
         "mean_resp_len": statistics.mean(r["mean_resp_len"] for r in warm),
