@@ -150,12 +150,17 @@ def main() -> int:
     engines = []  # the job's "[engine]" lines: which vLLM model runner ran, the planned KV cache and batch
     with SmiPoll() as smi:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, bufsize=1)
-        for line in proc.stdout:  # passed through as it comes
-            sys.stdout.write(line)
-            if line.startswith("[engine] "):
-                engines.append(line.removeprefix("[engine] ").strip())
-        proc.wait()
+                                stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace", bufsize=1)
+        try:
+            for line in proc.stdout:  # passed through as it comes (the job's stderr too)
+                sys.stdout.write(line)
+                if line.startswith("[engine] "):
+                    engines.append(line.removeprefix("[engine] ").strip())
+        except BaseException:  # the job must not run on, unread
+            proc.kill()
+            raise
+        finally:
+            proc.wait()
     gpu = smi.summary()
     peak_gib = gpu["memory.used"]["max"] / 1024
     wall = time.perf_counter() - t

@@ -255,9 +255,10 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
         run.truncate_logs(start)
         phase = "push"
         version = push()
-        phase = "plan"
         if sleep == "auto":
+            phase = "plan"
             sleep = resolve_sleep(cfg, services.learner, log)
+        phase = "describe"
         engines = ray.get([eng.describe.remote() for eng in services.rollouts])
     except BaseException as exc:
         raise _step_error(exc, start + 1, phase, services) from None

@@ -3,7 +3,8 @@
 Pure functions of the run config and the model's shape, so the sizes can be tested without an engine:
 
 - ``max_num_seqs: auto``: every sample an engine gets in one step runs in one decode batch
-  (``prompts_per_step × group_size / num_engines``, rounded up to 16).
+  (``prompts_per_step × group_size / num_engines``, rounded up to 16), unless a colocated KV cache is
+  capped (below).
 - CUDA graphs cover the decode batch: vLLM's own capture list stops at ``min(2·max_num_seqs, 512)``,
   so a 1,024-sample decode ran without graphs; here the list goes on in steps of 64 up to
   ``max_num_seqs``.
@@ -124,7 +125,7 @@ def plan_engine(ro, prompts_per_step: int, prompt_tokens: int, model_shape: dict
                 f"{ro.num_engines} engine(s) {weight_bytes / gib:.1f} GiB of weights and "
                 f"{ENGINE_OVERHEAD_BYTES / gib:.0f} GiB of activations; use placement.mode: split, fewer engines, a "
                 f"4-bit base or a smaller rollout.engine_options.max_model_len"))
-        kv = min(int(needed * KV_MARGIN), int(room))
+        kv = min(max(int(needed * KV_MARGIN), floor), int(room))  # vLLM checks the floor even with the KV set
         if kv < needed and ro.max_num_seqs == "auto":  # waves of whole groups, not preemption
             seqs = min(seqs, max(1, kv // per_group) * ro.group_size)
             graphs = None if eager else capture_sizes(seqs)

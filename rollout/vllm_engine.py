@@ -116,7 +116,8 @@ def gpu_plan(cfg, dtype, total_bytes: int, critic=None):
     residents = 0
     if colocated and ro.gpu_memory_utilization == "auto":
         residents = resident_bytes(cfg, 4 if dtype_name(dtype) == "float32" else 2, adapter_shape(cfg), critic)
-    # vLLM refuses to start unless its KV cache holds one request of the longest length it admits
+    # vLLM refuses to start unless its KV cache holds one request of the longest length it admits: the config's
+    # max_position_embeddings unless set (a rope scaling that lengthens it is not counted: vLLM then says so itself)
     longest = ro.engine_options.get("max_model_len") or checkpoint_config(cfg).get("max_position_embeddings") or 0
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
                        colocated=colocated, weight_bytes=weight_bytes(cfg, dtype), total_bytes=total_bytes,
@@ -235,7 +236,8 @@ class VllmEngine(RolloutEngine):
             from critic.scoring import critic_architecture
 
             total = torch.cuda.mem_get_info()[1]
-            critic = critic_architecture(cfg, spec, self.dtype)  # what the plan leaves beside the engine for it
+            if cfg.placement.mode == "colocated" and cfg.rollout.gpu_memory_utilization == "auto":
+                critic = critic_architecture(cfg, spec, self.dtype)  # what the plan leaves beside the engine for it
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, critic)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or cfg.rollout.vector_input == "multimodal":

@@ -132,7 +132,8 @@ class RolloutConfig(_Section):
     step's batch needs, within what the learner and critic leave (less: max_num_seqs auto admits the groups that
     fit, the step in waves; rollout.engine_plan); on a GPU of its own, 0.9."""
     max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
-    """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch."""
+    """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch, or
+    where a colocated auto KV cache is capped, the groups whose longest KV fits (rollout.engine_plan)."""
     lora: Literal["adapter", "merged"] = "adapter"
     """adapter: the engine applies the pushed LoRA (vLLM's LoRA kernels); merged: each push folds it into the
     engine's own weights (W = W_base + s·B·A, from a host copy of the base), so decode runs with no LoRA at all;

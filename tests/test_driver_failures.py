@@ -139,11 +139,11 @@ def _job(tiny_dir, steps, overlap=False):
     return prepare_job(absolute_paths(cfg, ROOT), log=lambda m: None)
 
 
-def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None):
+def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None, engines=1):
     from shared.actors import remote  # as placement makes them remote
 
-    rollout = remote(FakeRollout).remote(group, die_at_call)
-    return Services([rollout], LearnerGroup([remote(FakeLearner).remote(skip_at, fail_at)]),
+    rollouts = [remote(FakeRollout).remote(group, die_at_call) for _ in range(engines)]
+    return Services(rollouts, LearnerGroup([remote(FakeLearner).remote(skip_at, fail_at)]),
                     CriticGroup([remote(FakeCritic).remote()]), [], "cpu")
 
 
@@ -177,8 +177,16 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
     assert [r["adapter_version"] for r in rows] == [2, 2, 3, 4]
     assert ray_local.get(services.critic.leader.trained_steps.remote()) == 3
     assert any(l.startswith("step 2: optimiser step skipped") for l in lines)
-    assert lines.count("[engine] a stand-in engine") == 1  # each kind of engine once, not once per engine
     assert run.latest_checkpoint().name == "step_000004"  # checkpointing.every=0: only at the end
+
+
+def test_the_start_names_each_kind_of_engine_once(ray_local, tiny_dir, tmp_path):
+    from orchestrator.driver import train
+
+    job = _job(tiny_dir, steps=1)
+    lines = []
+    train(job, RunDir.create(tmp_path / "run", job.cfg), _services(ray_local, 2, engines=2), log=lines.append)
+    assert [l for l in lines if l.startswith("[engine]")] == ["[engine] a stand-in engine"]  # two engines, one kind
 
 
 @pytest.mark.parametrize("overlap,expected", [(False, [[1], [2], [3], [4]]), (True, [[1], [1], [2], [3]])])

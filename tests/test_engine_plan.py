@@ -141,6 +141,10 @@ def test_no_room_for_an_engine_is_one_line_naming_the_field():
     assert plan_engine(_ro(), 64, 512, QWEN3_8B_KV, **args, max_model_len=4096).kv_cache_bytes <= 3 * GIB + 1
     with pytest.raises(NlaInputError, match=r"max_model_len 40960"):
         plan_engine(_ro(), 64, 512, QWEN3_8B_KV, **args, max_model_len=40960)
+    # a step smaller than vLLM's longest request still gets a KV cache that holds one (vLLM checks it at start)
+    small = plan_engine(_ro(), 2, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=141 * GIB,
+                        eager=False, resident_bytes=32 * GIB, max_model_len=40960)
+    assert small.kv_needed_bytes * KV_MARGIN < 40960 * 147_456 == small.kv_cache_bytes
 
 
 def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_path):
