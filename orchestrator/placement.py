@@ -139,10 +139,15 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         ray.get(pg.ready())
         # vLLM sizes its share from the free memory it sees while profiling; an engine or a learner loading
         # beside it at that moment makes the profile wrong (or fails it), so each starts once the last is up
+        from orchestrator.gpu_residents import colocated_residents
+
+        # the engines' auto plan leaves the learner and critic what they will hold beside them
+        plan = spec is not None and backend == "vllm" and cfg.rollout.gpu_memory_utilization == "auto"
+        residents = {"resident_bytes": colocated_residents(cfg, spec)} if plan else {}
         rollouts = []
         for _ in range(cfg.rollout.num_engines):
             engine = RolloutActor.options(num_cpus=0, num_gpus=0.4 / cfg.rollout.num_engines,
-                                          scheduling_strategy=at(pg, 0)).remote(cfg, spec, backend, "cuda")
+                                          scheduling_strategy=at(pg, 0)).remote(cfg, spec, backend, "cuda", **residents)
             ray.get(engine.adapter_version.remote())
             rollouts.append(engine)
         learner = LearnerActor.options(num_cpus=0, num_gpus=0.3, scheduling_strategy=at(pg, 0)).remote(cfg, spec, "cuda")

@@ -11,13 +11,14 @@ from shared.types import PromptRequest, Sample
 BACKENDS = ("vllm", "hf")
 
 
-def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None) -> RolloutEngine:
-    """The engine ``backend`` names (default: ``cfg.rollout.backend``)."""
+def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None, resident_bytes: int = 0) -> RolloutEngine:
+    """The engine ``backend`` names (default: ``cfg.rollout.backend``); ``resident_bytes``: what the learner and critic
+    hold beside a colocated vLLM engine on its GPU."""
     backend = backend or cfg.rollout.backend
     if backend == "vllm":
         from rollout.vllm_engine import VllmEngine
 
-        return VllmEngine(cfg, spec, device)
+        return VllmEngine(cfg, spec, device, resident_bytes)
     if backend == "hf":
         from rollout.hf_engine import HfEngine
 
@@ -28,10 +29,10 @@ def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None) -> R
 class RolloutActor:
     """One engine in the actor's process, the RolloutEngine calls as plain methods (Ray has no properties)."""
 
-    def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu"):
+    def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu", resident_bytes: int = 0):
         from shared.weight_sync import make_receiver
 
-        self.engine = make_engine(cfg, spec, device, backend)
+        self.engine = make_engine(cfg, spec, device, backend, resident_bytes)
         self.receiver = make_receiver(cfg.weight_sync)  # the engine's half of shared.weight_sync
 
     def connect_weight_sync(self, rendezvous, rank: int) -> None:

@@ -105,29 +105,28 @@ def vllm_quantizes(cfg) -> bool:
     return cfg.model.quantization != "none" and cfg.rollout.lora != "merged"
 
 
-def gpu_plan(cfg, dtype, total_bytes: int, critic=None):
+def gpu_plan(cfg, dtype, total_bytes: int, resident_bytes: int = 0):
     """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
-    the learner and the critic, ``critic`` its ``critic.scoring.CriticMeta`` where known)."""
-    from rollout.colocated_memory import checkpoint_config, resident_bytes
+    the learner and the critic, which hold ``resident_bytes`` there: ``orchestrator.gpu_residents``)."""
+    from rollout.colocated_memory import checkpoint_config
     from rollout.engine_plan import plan_engine
 
     ro = cfg.rollout
     colocated = cfg.placement.mode == "colocated"
-    residents = 0
-    if colocated and ro.gpu_memory_utilization == "auto":
-        residents = resident_bytes(cfg, 4 if dtype_name(dtype) == "float32" else 2, adapter_shape(cfg), critic)
     # vLLM refuses to start unless its KV cache holds one request of the longest length it admits: the config's
     # max_position_embeddings unless set (a rope scaling that lengthens it is not counted: vLLM then says so itself)
     longest = ro.engine_options.get("max_model_len") or checkpoint_config(cfg).get("max_position_embeddings") or 0
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
                        colocated=colocated, weight_bytes=weight_bytes(cfg, dtype), total_bytes=total_bytes,
-                       eager=ro.enforce_eager, resident_bytes=residents, max_model_len=int(longest))
+                       eager=ro.enforce_eager, resident_bytes=resident_bytes if colocated else 0,
+                       max_model_len=int(longest))
 
 
 def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None,
-                  critic=None) -> dict:
+                  resident_bytes: int = 0) -> dict:
     """``vllm.LLM`` keyword arguments from the run config (``marker_id``: the marker token, for the karvonen and
-    marker-input classes; ``total_bytes``: the GPU's memory, and ``critic`` the critic's structure, for the plan)."""
+    marker-input classes; ``total_bytes``: the GPU's memory, and ``resident_bytes`` what the learner and critic hold
+    beside a colocated engine, for the plan)."""
     from rollout.vllm_compat import prefix_cache_keys_embeds
 
     ro = cfg.rollout
@@ -164,7 +163,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
             kwargs["max_num_seqs"] = ro.max_num_seqs
     else:
         if total_bytes:
-            plan = gpu_plan(cfg, dtype, total_bytes, critic)
+            plan = gpu_plan(cfg, dtype, total_bytes, resident_bytes)
             if plan.shortfall():
                 print(plan.shortfall(), flush=True)
             kwargs.update(plan.engine_kwargs())
@@ -186,9 +185,11 @@ def check_engine_kwargs(vllm, kwargs: dict) -> None:
 
 
 class VllmEngine(RolloutEngine):
-    """vLLM rollout engine with embed- or karvonen-mode injection and per-version LoRA adapters."""
+    """vLLM rollout engine with embed- or karvonen-mode injection and per-version LoRA adapters. ``resident_bytes``:
+    what the learner and critic hold beside a colocated engine on its GPU (``orchestrator.gpu_residents``), which
+    ``gpu_memory_utilization: auto`` leaves them."""
 
-    def __init__(self, cfg, spec, device: str = "cpu"):
+    def __init__(self, cfg, spec, device: str = "cpu", resident_bytes: int = 0):
         from rollout.vllm_compat import prepare_engine_env
 
         cpu = not str(device).startswith("cuda")
@@ -229,16 +230,12 @@ class VllmEngine(RolloutEngine):
         from rollout.vllm_compat import flat_logprobs_option
 
         self._flat = flat_logprobs_option(vllm.SamplingParams)
-        total = critic = None
+        total = None
         if not cpu:
             import torch
 
-            from critic.scoring import critic_architecture
-
             total = torch.cuda.mem_get_info()[1]
-            if cfg.placement.mode == "colocated" and cfg.rollout.gpu_memory_utilization == "auto":
-                critic = critic_architecture(cfg, spec, self.dtype)  # what the plan leaves beside the engine for it
-        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, critic)
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or cfg.rollout.vector_input == "multimodal":
             from rollout.vllm_plugin import registered

@@ -157,8 +157,10 @@ def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_pat
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from rollout.colocated_memory import (ADAM_STATE_BYTES, CONTEXT_BYTES, NF4_SHARE, TRAINED_PARAM_BYTES,
-                                          awake_update_bytes, bf16_bytes, lora_params, resident_bytes)
+    from orchestrator.gpu_residents import (ADAM_STATE_BYTES, CONTEXT_BYTES, TRAINED_PARAM_BYTES, awake_update_bytes,
+                                            colocated_residents, resident_bytes)
+    from rollout.colocated_memory import NF4_SHARE, bf16_bytes, lora_params
+    from shared.spec import load_spec, sidecar_path
 
     path = tiny_dir / "model"
     c = json.loads((path / "config.json").read_text())
@@ -202,6 +204,10 @@ def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_pat
     awake = cfg(rollout={"sleep_during_update": False})
     assert awake_update_bytes(awake, 2) > 0
     assert resident_bytes(awake, 2, adapter) == whole + awake_update_bytes(awake, 2)
+    # what placement passes the engines: the critic as the sidecar makes it (its layer, a frozen critic)
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    meta = types_meta(num_layers=spec.layer_index + 1, lora_r=0, target_modules=[])
+    assert colocated_residents(cfg(model={"path": str(path), "dtype": "bfloat16"}), spec) == resident_bytes(cfg(), 2, adapter, meta)
 
 
 def types_meta(**fields):
@@ -211,23 +217,22 @@ def types_meta(**fields):
 
 
 def test_the_engine_plan_takes_the_residents_on_a_colocated_gpu(tiny_dir, capsys):
-    """engine_kwargs on a colocated GPU: the plan leaves the learner and critic what the estimate says they hold
-    (a card just big enough caps the KV and prints the [plan] line); a fixed share plans no residents."""
+    """engine_kwargs on a colocated GPU: the plan leaves the learner and critic what they hold (a card just big enough
+    caps the KV and prints the [plan] line); a fixed share plans no residents."""
     import torch
 
-    from rollout.colocated_memory import resident_bytes
     from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
-    from rollout.vllm_engine import adapter_shape, engine_kwargs, gpu_plan, weight_bytes
+    from rollout.vllm_engine import engine_kwargs, gpu_plan, weight_bytes
 
     model = {"path": str(tiny_dir / "model"), "dtype": "bfloat16"}
     cfg = build_config({"model": model, "placement": {"mode": "colocated"}})
-    residents = resident_bytes(cfg, 2, adapter_shape(cfg))
+    residents = 3 << 30
     whole = gpu_plan(cfg, torch.bfloat16, 1 << 40)
     room = whole.kv_needed_bytes // 2  # KV room for half the step
     total = int((residents + weight_bytes(cfg, torch.bfloat16) + ENGINE_OVERHEAD_BYTES + room) / COLOCATED_SHARE) + 1
-    kw = engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7, total_bytes=total)
+    kw = engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7, total_bytes=total, resident_bytes=residents)
     assert room - (1 << 20) <= kw["kv_cache_memory_bytes"] <= room + 1
     assert kw["max_num_seqs"] < whole.max_num_seqs and "[plan] one step's KV cache" in capsys.readouterr().out
     fixed = build_config({"model": model, "placement": {"mode": "colocated"}, "rollout": {"gpu_memory_utilization": 0.3}})
-    kw = engine_kwargs(fixed, "cuda", torch.bfloat16, marker_id=7, total_bytes=total)
+    kw = engine_kwargs(fixed, "cuda", torch.bfloat16, marker_id=7, total_bytes=total, resident_bytes=residents)
     assert kw["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in kw
