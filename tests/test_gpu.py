@@ -420,26 +420,19 @@ def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
     assert max(r["logprob_mismatch_k3"] for r in rows) < 5e-3
 
 
-def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_gpu(tiny_bf16_dir, monkeypatch):
-    """rollout.vector_input=multimodal on vLLM 0.26's V2 runner: a group's samples share their prompt's blocks, a
-    twin (same ids, another vector) only those before the marker, and the twin matches the learner; with the
-    item's hash keys switched off it would not. The same seed gives the same tokens, another seed others (the V2
-    runner samples seeded requests with its own noise, not this project's patched V1 sampler)."""
-    vllm = pytest.importorskip("vllm")
-    from vllm.v1.core import kv_cache_utils
-
+def _cache_check(tiny_dir, injection, block: int, vector_input: str = "prompt_embeds"):
+    """The prefix-cache checks' colocated config (eager, ``block``-token KV blocks), learner and engine, and the
+    twin's mean |dlogp| against the learner (the second group of ``twin_batch``)."""
     from learner.learner import Learner
-    from rollout.vllm_compat import model_runner
     from rollout.vllm_engine import VllmEngine
-    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch, vectors_of
+    from rollout_support import vectors_of
 
-    block = 16
-    spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
-    base = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
+    spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
+    base = tiny_config(tiny_dir, injection, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
                        max_num_seqs=32, engine_options={"enforce_eager": True, "block_size": block})
     raw = base.model_dump(mode="python")
     raw["model"]["dtype"] = "bfloat16"
-    raw["rollout"]["vector_input"] = "multimodal"
+    raw["rollout"]["vector_input"] = vector_input
     raw["placement"]["mode"] = "colocated"
     raw["critic"]["lora_r"] = 8
     cfg = build_config(raw, "gpu-test")
@@ -452,6 +445,22 @@ def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_g
         ours = learner.logprobs(twin, torch.stack([torch.as_tensor(v) for v in vectors_of(twin, batch)]))
         return torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(twin, ours)]).abs().mean().item()
 
+    return cfg, learner, engine, twin_mismatch
+
+
+def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_gpu(tiny_bf16_dir, monkeypatch):
+    """rollout.vector_input=multimodal on vLLM 0.26's V2 runner: a group's samples share their prompt's blocks, a
+    twin (same ids, another vector) only those before the marker, and the twin matches the learner; with the
+    item's hash keys switched off it would not. The same seed gives the same tokens, another seed others (the V2
+    runner samples seeded requests with its own noise, not this project's patched V1 sampler)."""
+    vllm = pytest.importorskip("vllm")
+    from vllm.v1.core import kv_cache_utils
+
+    from rollout.vllm_compat import model_runner
+    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch
+
+    block = 16
+    cfg, learner, engine, twin_mismatch = _cache_check(tiny_bf16_dir, None, block, vector_input="multimodal")
     try:
         assert engine.prefix_caching
         if vllm.__version__.startswith("0.26"):
@@ -480,29 +489,11 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
     pytest.importorskip("vllm")
     from vllm.v1.core import kv_cache_utils
 
-    from learner.learner import Learner
-    from rollout.vllm_engine import VllmEngine
-    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch, vectors_of
+    from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch
 
     block = 16
-    spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
-    base = tiny_config(tiny_bf16_dir, injection, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
-                       max_num_seqs=32, engine_options={"enforce_eager": True, "block_size": block})
-    raw = base.model_dump(mode="python")
-    raw["model"]["dtype"] = "bfloat16"
-    raw["placement"]["mode"] = "colocated"
-    raw["critic"]["lora_r"] = 8
-    cfg = build_config(raw, "gpu-test")
-    learner = Learner(cfg, spec, "cuda")
-    engine = VllmEngine(cfg, spec, "cuda")
-
-    def twin_mismatch(samples, batch):
-        G = cfg.rollout.group_size
-        twin = samples[G:2 * G]
-        ours = learner.logprobs(twin, torch.stack([torch.as_tensor(v) for v in vectors_of(twin, batch)]))
-        return torch.cat([torch.tensor(s.logprobs) - torch.tensor(l) for s, l in zip(twin, ours)]).abs().mean().item()
-
+    cfg, learner, engine, twin_mismatch = _cache_check(tiny_bf16_dir, injection, block)
     try:
         assert engine.prefix_caching
         # the group's samples take one hash per prompt block (vllm_compat.shared_prompt_embeds_hashes), and the
