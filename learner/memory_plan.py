@@ -73,16 +73,23 @@ def free_bytes(device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
+def config_bytes_per_token(config, lora_r: int, elem_bytes: int, checkpointing: bool, fused: bool = False,
+                           gathered_kv: bool = False) -> int:
+    """``activation_bytes_per_token`` for a model's config: transformers' config object, or its ``config.json``
+    read as a dict (the colocated plan reads it before any model loads)."""
+    def get(key):
+        return config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+
+    heads = get("num_attention_heads")
+    return activation_bytes_per_token(get("hidden_size"), get("intermediate_size"), get("num_hidden_layers"), heads,
+                                      get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads,
+                                      lora_r, elem_bytes, checkpointing, fused, gathered_kv)
+
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
                 reserve_bytes: int = 0, fused: bool = False, attention: str = "sdpa") -> int:
     """The micro-batch token budget for this model on ``device`` now (``attention`` as resolved)."""
     import torch
 
-    c = model_config
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    per_token = activation_bytes_per_token(c.hidden_size, c.intermediate_size, c.num_hidden_layers, heads,
-                                           getattr(c, "num_key_value_heads", None) or heads, head_dim, lora_r,
-                                           elem_bytes, checkpointing, fused, attention == "varlen")
+    per_token = config_bytes_per_token(model_config, lora_r, elem_bytes, checkpointing, fused, attention == "varlen")
     budget = token_budget(free_bytes(device), per_token, reserve_bytes, safety(fused, attention))
     return budget if torch.device(device).type == "cuda" else min(budget, CPU_MAX_TOKENS)

@@ -19,17 +19,13 @@ def awake_update_bytes(cfg, elem: int) -> int:
     that keeps them awake (``shared.config.least_awake_tokens``), with the planner's safety factor. Only where the
     engines cannot sleep through the update (``rollout.sleep_during_update: false``, or an overlapped rollout);
     otherwise ``auto`` puts them to sleep when the learner's room is short."""
-    from learner.memory_plan import SAFETY, activation_bytes_per_token
+    from learner.memory_plan import SAFETY, config_bytes_per_token
     from shared.config import least_awake_tokens, sleep_can_pay
 
     ro = cfg.rollout
     if ro.sleep_during_update is True or (ro.sleep_during_update == "auto" and sleep_can_pay(cfg)):
         return 0
-    c = checkpoint_config(cfg)
-    heads = c["num_attention_heads"]
-    per_token = activation_bytes_per_token(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads,
-                                           c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
-                                           cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing)
+    per_token = config_bytes_per_token(checkpoint_config(cfg), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing)
     return int(SAFETY * per_token * least_awake_tokens(cfg) / 0.9)
 
 

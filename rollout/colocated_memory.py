@@ -9,11 +9,16 @@ import json
 NF4_SHARE = 0.35  # of the bf16 checkpoint: 4-bit linears, their scales, and the embeddings and head kept in 16 bits
 
 
-def checkpoint_config(cfg) -> dict:
-    """The subject model's ``config.json`` (a multimodal checkpoint's text part)."""
+def stored_config(cfg) -> dict:
+    """The subject model's ``config.json`` as stored (its quantisation, a multimodal checkpoint's parts)."""
     from rollout.vllm_engine import model_dir
 
-    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    return json.loads((model_dir(cfg) / "config.json").read_text())
+
+
+def checkpoint_config(cfg) -> dict:
+    """The subject model's text config (a multimodal checkpoint's text part)."""
+    c = stored_config(cfg)
     return c.get("text_config", c)
 
 
@@ -23,7 +28,7 @@ def bf16_bytes(cfg) -> int:
     from rollout.vllm_engine import model_dir
 
     files = sum(f.stat().st_size for f in model_dir(cfg).glob("*.safetensors"))
-    c = json.loads((model_dir(cfg) / "config.json").read_text())
+    c = stored_config(cfg)
     if c.get("quantization_config"):
         return int(files / NF4_SHARE)
     c = c.get("text_config", c)

@@ -203,6 +203,13 @@ def test_the_residents_estimate_counts_what_each_service_holds(tiny_dir, tmp_pat
     assert awake_update_bytes(cfg(), 2) == 0  # auto: they sleep when its room is short
     awake = cfg(rollout={"sleep_during_update": False})
     assert awake_update_bytes(awake, 2) > 0
+    # read from config.json before any model loads, the per-token count is the one the learner's planner makes
+    from transformers import AutoConfig
+
+    from learner.memory_plan import config_bytes_per_token
+    for checkpointing in (True, False):
+        assert config_bytes_per_token(c, 128, 2, checkpointing) == config_bytes_per_token(
+            AutoConfig.from_pretrained(path), 128, 2, checkpointing) > 0
     assert resident_bytes(awake, 2, adapter) == whole + awake_update_bytes(awake, 2)
     # what placement passes the engines: the critic as the sidecar makes it (its layer, a frozen critic)
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
