@@ -85,8 +85,9 @@ CHOICES = [
      "learner.attention (auto: varlen on a GPU in 16 bits, else flex; varlen: flash-attention's variable-length kernel, a segment per response)"),
     ("--engine-core", ["in_actor", "own_process"], "in_actor",
      "rollout.engine_core: vLLM's engine core in the rollout actor's process or in its own"),
-    ("--vector-input", ["prompt_embeds", "multimodal"], "prompt_embeds",
-     "rollout.vector_input (multimodal: token ids and the marker's row as an item; vLLM 0.26 may then run its V2 model runner)"),
+    ("--vector-input", ["auto", "prompt_embeds", "multimodal"], "auto",
+     "rollout.vector_input (multimodal: token ids and the marker's row as an item; vLLM 0.26 may then run its V2 model "
+     "runner; auto: multimodal on the colocated placement in embed mode; the JSON's engines say which ran)"),
 ]
 
 
@@ -137,7 +138,7 @@ def main() -> int:
     tag = (args.placement + ("-overlap" if args.overlap else "") + ("" if args.route == "auto" else f"-{args.route}")
            + ("" if args.injection == "embed" else f"-{args.injection}") + ("" if args.quantization == "none" else f"-{args.quantization}")
            + ("-fp32-modules" if args.nf4_fp32_modules else "")
-           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "") + ("-mm" if args.vector_input == "multimodal" else "")
+           + f"-{args.prompts}x{args.group}" + ("-noprefix" if args.no_prefix_caching else "") + ("-merged" if args.lora == "merged" else "") + ("-own-core" if args.engine_core == "own_process" else "") + {"auto": "", "multimodal": "-mm", "prompt_embeds": "-pe"}[args.vector_input]
            + (f"-{args.engines}engines" if args.engines > 1 else "") + ("" if args.attention == "auto" else f"-{args.attention}")
            + "".join(f"-{k}-{v}" for k, v in args.engine_option))
     cfg_path = root / f"job-{tag}.yaml"

@@ -226,9 +226,9 @@ def main() -> int:
                          "vllmlogprobs (shared, vLLM's own loop over each logprob entry instead of "
                          "vllm_compat.lean_sampled_logprobs)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
-    ap.add_argument("--vector-input", choices=["prompt_embeds", "multimodal"], default="prompt_embeds",
-                    help="rollout.vector_input of the engine (multimodal: vLLM 0.26 may run its V2 model runner; the JSON "
-                         "says which runner ran)")
+    ap.add_argument("--vector-input", choices=["auto", "prompt_embeds", "multimodal"], default="auto",
+                    help="rollout.vector_input of the engine (multimodal: vLLM 0.26 may run its V2 model runner; auto: "
+                         "the config's rule; the JSON says which route and runner ran)")
     ap.add_argument("--profile", help="write the torch-profiler kernel table of one more generate of the first batch "
                                       "here (the JSON gets its timeline and device time by kind of kernel)")
     args = ap.parse_args()
@@ -270,7 +270,7 @@ def main() -> int:
     trace = SchedulerTrace(in_process_scheduler(engine.llm))
     timers = CallTimers(engine.llm)
     vllm, G = engine._vllm, args.group
-    results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "vector_input": args.vector_input,
+    results = {"engine_start_s": start_s, "lora": args.lora, "push": engine.last_push, "vector_input": engine.vector_input,
                "model_runner": model_runner(engine.llm),
                "plan": {k: v for k, v in engine.plan_kwargs.items() if k != "compilation_config"},
                "capture_max": (engine.plan_kwargs.get("compilation_config") or {}).get("max_cudagraph_capture_size"),

@@ -58,6 +58,24 @@ def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
         raise NlaInputError(path, str(exc)) from None
 
 
+def vector_input(cfg) -> str:
+    """``rollout.vector_input`` resolved: ``auto`` is ``multimodal`` where that route has run on a GPU (one H100
+    and one H200: the colocated placement in embed mode, on a Qwen3 checkpoint) and ``prompt_embeds`` elsewhere:
+    the split placement's NCCL push into a V2-runner engine and karvonen mode on the route have not run on a GPU
+    yet, and the CPU engines run what the demo and tests were measured on."""
+    ro = cfg.rollout
+    if ro.vector_input != "auto":
+        return ro.vector_input
+    if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
+        return "prompt_embeds"
+    import json
+
+    from rollout.vllm_marker_input import ARCHITECTURES
+
+    archs = json.loads((model_dir(cfg) / "config.json").read_text()).get("architectures") or []
+    return "multimodal" if archs[:1] and archs[0] in ARCHITECTURES else "prompt_embeds"
+
+
 def karvonen_overrides(cfg, marker_id: int) -> dict:
     """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
     from rollout.vllm_karvonen import hf_overrides
@@ -145,7 +163,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         # (an embedding LoRA under prompt_embeds crashes the engine)
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
                       lora_target_modules=targets)
-    if ro.vector_input == "multimodal":  # either mode: the marker-input class (karvonen's with it on top)
+    if vector_input(cfg) == "multimodal":  # either mode: the marker-input class (karvonen's with it on top)
         kwargs.update(marker_input_options(cfg, marker_id))
     elif cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
@@ -237,7 +255,8 @@ class VllmEngine(RolloutEngine):
             total = torch.cuda.mem_get_info()[1]
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes)
         check_engine_kwargs(vllm, kwargs)
-        if self.karvonen or cfg.rollout.vector_input == "multimodal":
+        self.vector_input = vector_input(cfg)
+        if self.karvonen or self.vector_input == "multimodal":
             from rollout.vllm_plugin import registered
 
             if not registered():
@@ -252,6 +271,9 @@ class VllmEngine(RolloutEngine):
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
         else:
+            from rollout.vllm_compat import allow_graph_capture
+
+            allow_graph_capture()  # an earlier V1-runner engine of this process may have left it off
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":
@@ -288,7 +310,7 @@ class VllmEngine(RolloutEngine):
     def prompt(self, req: PromptRequest, inject: bool = True) -> dict:
         """vLLM's prompt for the request: its embeddings, or (``rollout.vector_input: multimodal``) its token ids
         with the marker's injected row as an item, the row the embeddings would carry there."""
-        if self.cfg.rollout.vector_input != "multimodal":
+        if self.vector_input != "multimodal":
             return {"prompt_embeds": self.prompt_embeds(req, inject)}
         from rollout.vllm_marker_input import marker_item
         from shared.injection import embed_prompt
@@ -379,7 +401,7 @@ class VllmEngine(RolloutEngine):
         from rollout.vllm_compat import model_runner
 
         kw, gib = self.plan_kwargs, 1 << 30
-        vector = ("the marker's row as a multimodal item" if self.cfg.rollout.vector_input == "multimodal"
+        vector = ("the marker's row as a multimodal item" if self.vector_input == "multimodal"
                   else "prompt embeddings")
         kv = f", KV cache {kw['kv_cache_memory_bytes'] / gib:.1f} GiB" if kw.get("kv_cache_memory_bytes") else ""
         seqs = f", up to {kw['max_num_seqs']} samples at once" if kw.get("max_num_seqs") else ""

@@ -145,11 +145,13 @@ class RolloutConfig(_Section):
     thread; own_process, vLLM's separate process, which builds the outputs in the actor while the next step
     runs (a cuda_ipc push forwards its handle to the worker). tensor_parallel_size > 1 and weight_sync file
     always run their own processes."""
-    vector_input: Literal["prompt_embeds", "multimodal"] = "prompt_embeds"
+    vector_input: Literal["auto", "prompt_embeds", "multimodal"] = "auto"
     """How a prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1 model
     runner); multimodal, token ids with the marker's injected row (karvonen: its sentinel) as an embeddings-only item
-    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner: 0.90x the rollout of a
-    64 x 8 job on an H100 (lora merged), k3 unchanged (benchmarks/RESULTS.md §17; Qwen3 checkpoints; karvonen not yet on a GPU)."""
+    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner: 0.82x the rollout of a
+    64 x 8 job on an H200, 0.90x on an H100 (lora merged), k3 unchanged (benchmarks/RESULTS.md §17-18; Qwen3
+    checkpoints). auto: multimodal where it has run on a GPU (the colocated placement, embed mode, a Qwen3
+    checkpoint), prompt_embeds elsewhere (rollout.vllm_engine.vector_input)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, or with vector_input multimodal on the marker item's hash, so prompts with other vectors never

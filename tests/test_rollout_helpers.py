@@ -143,13 +143,13 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
             "architectures": ["NlaKarvonenQwen3ForCausalLM"], "nla_karvonen_layer": 1, "nla_marker_id": 7})
     # NF4 in flight, the learner's base: from model.quantization alone
     nf4 = build_config({"model": {**model, "quantization": "nf4", "dtype": "bfloat16"}, "placement": {"mode": "colocated"}})
-    assert engine_kwargs(nf4, "cuda", torch.bfloat16)["quantization"] == "bitsandbytes"
+    assert engine_kwargs(nf4, "cuda", torch.bfloat16, marker_id=7)["quantization"] == "bitsandbytes"
     assert "quantization" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
     # sleep auto, colocated: decided at start, after the engine is built, so the engine can sleep; elsewhere it cannot
-    assert nf4.rollout.sleep_during_update == "auto" and engine_kwargs(nf4, "cuda", torch.bfloat16)["enable_sleep_mode"]
+    assert nf4.rollout.sleep_during_update == "auto" and engine_kwargs(nf4, "cuda", torch.bfloat16, marker_id=7)["enable_sleep_mode"]
     awake = build_config({"model": {**model, "dtype": "bfloat16"}, "placement": {"mode": "colocated"},
                           "rollout": {"sleep_during_update": False}})
-    assert "enable_sleep_mode" not in engine_kwargs(awake, "cuda", torch.bfloat16)
+    assert "enable_sleep_mode" not in engine_kwargs(awake, "cuda", torch.bfloat16, marker_id=7)
     assert "enable_sleep_mode" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
     # rollout.engine_options come last and win
     cfg = build_config({"model": model, "rollout": {"engine_options": {"enforce_eager": True, "max_num_batched_tokens": 64}}})
@@ -169,6 +169,10 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
         engine_kwargs(cfg, "cuda", torch.bfloat16, marker_id=7)
     kw = engine_kwargs(build_config({"model": model, "rollout": {"vector_input": "multimodal"}}), "cuda", torch.bfloat16,
                        marker_id=7)
+    auto = engine_kwargs(build_config({"model": model, "placement": {"mode": "colocated"}}), "cuda", torch.bfloat16,
+                         marker_id=7, total_bytes=80 << 30)  # auto takes the route on one GPU
+    assert {k: auto[k] for k in ("hf_overrides", "enable_prompt_embeds", "enable_mm_embeds")} == {
+        k: kw[k] for k in ("hf_overrides", "enable_prompt_embeds", "enable_mm_embeds")}
     assert kw["hf_overrides"] == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"], "nla_marker_id": 7}
     assert kw["enable_prompt_embeds"] is False and kw["enable_mm_embeds"] is True
     # karvonen mode on the route: its injecting class with the item input on top, and its layer
@@ -177,3 +181,29 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
     assert kw["hf_overrides"] == {"architectures": ["NlaMarkerInputNlaKarvonenQwen3ForCausalLM"],
                                   "nla_karvonen_layer": 1, "nla_marker_id": 7}
     assert kw["enable_prompt_embeds"] is False and kw["enable_mm_embeds"] is True
+
+
+def test_auto_vector_input_takes_the_multimodal_route_only_where_it_has_run_on_a_gpu(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    from rollout.vllm_engine import vector_input
+    from shared.config import build_config
+
+    model = {"path": str(tiny_dir / "model")}
+
+    def route(placement="colocated", model=model, **sections):
+        return vector_input(build_config({"model": model, "placement": {"mode": placement}, **sections}))
+
+    assert route() == "multimodal"  # the colocated placement, embed mode, a Qwen3 checkpoint
+    assert route("split") == "prompt_embeds" and route("cpu") == "prompt_embeds"
+    assert route(injection={"mode": "karvonen"}) == "prompt_embeds"
+    assert route(rollout={"backend": "hf"}) == "prompt_embeds"
+    other = tmp_path / "model"
+    shutil.copytree(tiny_dir / "model", other)
+    raw = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**raw, "architectures": ["LlamaForCausalLM"]}))
+    assert route(model={"path": str(other)}) == "prompt_embeds"  # no marker-input class for it
+    # a value set stands wherever it is valid
+    assert route(rollout={"vector_input": "prompt_embeds"}) == "prompt_embeds"
+    assert route("split", rollout={"vector_input": "multimodal"}) == "multimodal"

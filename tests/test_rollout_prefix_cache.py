@@ -56,7 +56,7 @@ def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypat
 
     engine, hf = engines
     batch = twin_batch(tiny_dir, engine, BLOCK)
-    if engine.cfg.rollout.vector_input == "multimodal":
+    if engine.vector_input == "multimodal":
         monkeypatch.setattr(kv_cache_utils, "_gen_mm_extra_hash_keys", lambda request, start, end, mm_idx: ([], mm_idx))
     else:
         monkeypatch.setattr(kv_cache_utils, "_gen_prompt_embeds_extra_hash_keys", lambda *a, **k: [])
@@ -92,7 +92,7 @@ def test_a_groups_samples_hash_their_shared_prompt_once(engines, tiny_dir, monke
     from vllm.v1.core import kv_cache_utils
 
     engine, _ = engines
-    if engine.cfg.rollout.vector_input == "multimodal":
+    if engine.vector_input == "multimodal":
         pytest.skip("token-id prompts carry no prompt embeddings to hash")
     patched = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     assert getattr(patched, "shared_per_tensor", False)  # the engine applied it

@@ -70,8 +70,8 @@ def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir)
            "placement": {"mode": "colocated"}}
     adapter = build_config(raw)
     merged = build_config({**raw, "rollout": {"lora": "merged"}})
-    assert engine_kwargs(adapter, "cuda", "bfloat16")["quantization"] == "bitsandbytes"
-    assert "quantization" not in engine_kwargs(merged, "cuda", "bfloat16")
+    assert engine_kwargs(adapter, "cuda", "bfloat16", marker_id=7)["quantization"] == "bitsandbytes"
+    assert "quantization" not in engine_kwargs(merged, "cuda", "bfloat16", marker_id=7)
     assert weight_bytes(merged) > 2.5 * weight_bytes(adapter)
 
 
