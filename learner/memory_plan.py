@@ -85,6 +85,7 @@ def config_bytes_per_token(config, lora_r: int, elem_bytes: int, checkpointing: 
                                       get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads,
                                       lora_r, elem_bytes, checkpointing, fused, gathered_kv)
 
+
 def plan_tokens(model_config, lora_r: int, elem_bytes: int, checkpointing: bool, device,
                 reserve_bytes: int = 0, fused: bool = False, attention: str = "sdpa") -> int:
     """The micro-batch token budget for this model on ``device`` now (``attention`` as resolved)."""

@@ -270,6 +270,7 @@ def allow_graph_capture(module=None) -> bool:
     except Exception:  # noqa: BLE001 - without the switch, vLLM has nothing of this kind to refuse
         return False
 
+
 def batched_seeded_sampling(module=None) -> bool:
     """vLLM 0.26's sampler gives every request with its own seed its noise in a Python loop, one kernel
     per request per step (``random_sample``: ``q[i].exponential_(generator=...)``). Every rollout

@@ -68,11 +68,10 @@ def vector_input(cfg) -> str:
         return ro.vector_input
     if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
         return "prompt_embeds"
-    import json
-
+    from rollout.colocated_memory import stored_config
     from rollout.vllm_marker_input import ARCHITECTURES
 
-    archs = json.loads((model_dir(cfg) / "config.json").read_text()).get("architectures") or []
+    archs = stored_config(cfg).get("architectures") or []
     return "multimodal" if archs[:1] and archs[0] in ARCHITECTURES else "prompt_embeds"
 
 
