@@ -48,10 +48,10 @@ def adapter_shape(cfg) -> tuple[int, list[str]]:
 def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
     """``overrides(architecture, marker_id)`` for the checkpoint's architecture (``config.json``); an
     architecture it refuses is an input error naming that file."""
-    import json
+    from rollout.colocated_memory import stored_config
 
     path = model_dir(cfg) / "config.json"
-    archs = json.loads(path.read_text()).get("architectures") or ["?"]
+    archs = stored_config(cfg).get("architectures") or ["?"]
     try:
         return overrides(archs[0], marker_id)
     except ValueError as exc:

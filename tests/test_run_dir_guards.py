@@ -27,7 +27,7 @@ def four_step_run(tiny_dir, tmp_path_factory):
     before = (res.stdout + res.stderr).split("step     1/4")[0].splitlines()
     noise = [l for l in before if "WARNING" in l or "Warning" in l or "it/s]" in l]
     assert noise == [] and "[push] adapter v1" in res.stdout, noise
-    # what the engine runs, once: vLLM on the CPU (its V1 runner there), through prompt embeddings (the default)
+    # what the engine runs, once: vLLM on the CPU (its V1 runner there), through prompt embeddings (rollout.vector_input auto's route on the CPU)
     engine = [l for l in res.stdout.splitlines() if l.startswith("[engine] ")]
     assert len(engine) == 1 and engine[0].startswith("[engine] vLLM ") and "V1 model runner" in engine[0], engine
     assert "through prompt embeddings" in engine[0] and "prefix caching on" in engine[0], engine
