@@ -140,10 +140,10 @@ def gpu_plan(cfg, dtype, total_bytes: int, resident_bytes: int = 0):
 
 
 def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_bytes: int | None = None,
-                  resident_bytes: int = 0) -> dict:
+                  resident_bytes: int = 0, route: str | None = None) -> dict:
     """``vllm.LLM`` keyword arguments from the run config (``marker_id``: the marker token, for the karvonen and
     marker-input classes; ``total_bytes``: the GPU's memory, and ``resident_bytes`` what the learner and critic hold
-    beside a colocated engine, for the plan)."""
+    beside a colocated engine, for the plan; ``route``: ``vector_input(cfg)`` when the caller has it already)."""
     from rollout.vllm_compat import prefix_cache_keys_embeds
 
     ro = cfg.rollout
@@ -162,7 +162,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         # (an embedding LoRA under prompt_embeds crashes the engine)
         kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank_for(rank), max_loras=ro.max_loras,
                       lora_target_modules=targets)
-    if vector_input(cfg) == "multimodal":  # either mode: the marker-input class (karvonen's with it on top)
+    if (route or vector_input(cfg)) == "multimodal":  # either mode: the marker-input class (karvonen's with it on top)
         kwargs.update(marker_input_options(cfg, marker_id))
     elif cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
@@ -252,9 +252,9 @@ class VllmEngine(RolloutEngine):
             import torch
 
             total = torch.cuda.mem_get_info()[1]
-        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes)
-        check_engine_kwargs(vllm, kwargs)
         self.vector_input = vector_input(cfg)
+        kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes, self.vector_input)
+        check_engine_kwargs(vllm, kwargs)
         if self.karvonen or self.vector_input == "multimodal":
             from rollout.vllm_plugin import registered
 
