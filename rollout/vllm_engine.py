@@ -264,15 +264,16 @@ class VllmEngine(RolloutEngine):
                                            "vllm.general_plugins): install the package, `pip install -e .`")
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
         self.merged = cfg.rollout.lora == "merged"
+        if not cpu:
+            from rollout.vllm_compat import allow_graph_capture
+
+            allow_graph_capture()  # an earlier V1-runner engine of this process may have left it off
         if self.merged and cpu:
             from rollout.vllm_compat import cpu_linears_keep_weights
 
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
         else:
-            from rollout.vllm_compat import allow_graph_capture
-
-            allow_graph_capture()  # an earlier V1-runner engine of this process may have left it off
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":

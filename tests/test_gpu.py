@@ -71,9 +71,9 @@ def _gpu_config(tiny_dir, transport, injection, quantization, lora="adapter", ve
 def _release_earlier_engines() -> None:
     """Free what the closed in-process engines of this test process still hold before the next one starts.
 
-    On an H100 a closed V2-runner engine's KV cache (16 GiB at these tests' 0.2 of the GPU) stayed allocated until
-    torch.compile's caches were reset and the garbage collected; each test would otherwise start its engines
-    beside the last one's. A job builds each engine once, in its own process."""
+    On an H100 a closed eager V2-runner engine's KV cache (16 GiB at these tests' 0.2 of the GPU) stayed allocated
+    until torch.compile's caches were reset and the garbage collected (a compiled one's stayed even then), so the
+    next test started its engines beside it. A job builds each engine once, in its own process."""
     import gc
 
     before = torch.cuda.mem_get_info()[0]
