@@ -290,7 +290,7 @@ def _ask_row(client, text: str, token: str | None, answer_retries: int) -> dict:
         explanation, why = classify_reply(reply.text)
         if explanation is not None:
             return {**rec, "explanation": explanation}
-        rec["refusal"], rec["reply"] = why == "refusal", (reply.text or "")[:200]
+        rec["refusal"], rec["why"], rec["reply"] = why == "refusal", why, (reply.text or "")[:200]
     return rec
 
 
@@ -347,17 +347,29 @@ def _one(text: str) -> str:
     return " ".join(str(text).split())
 
 
+DROP_REASONS = ("empty", "refusal", "no_tags", "too_long")
+"""Why a row's last reply was not kept (``classify_reply``), in the order the summary names them."""
+USAGE_KEYS = ("rows_in", "rows_kept", "dropped", "refusals", "tokens_in", "tokens_out") + tuple(f"dropped_{w}" for w in DROP_REASONS)
+
+
 def _usage(answers: dict[int, dict]) -> dict:
     kept = sum(r["explanation"] is not None for r in answers.values())
+    lost = [r for r in answers.values() if r["explanation"] is None]
+    # a journal written before rows recorded why: its refusals are known, the rest counted as no_tags
+    why = [r.get("why") or ("refusal" if r.get("refusal") else "no_tags") for r in lost]
     return {"rows_in": len(answers), "rows_kept": kept, "dropped": len(answers) - kept,
-            "refusals": sum(bool(r.get("refusal")) and r["explanation"] is None for r in answers.values()),
+            "refusals": why.count("refusal"),
             "tokens_in": sum(r["tokens_in"] for r in answers.values()),
-            "tokens_out": sum(r["tokens_out"] for r in answers.values())}
+            "tokens_out": sum(r["tokens_out"] for r in answers.values()),
+            **{f"dropped_{w}": why.count(w) for w in DROP_REASONS}}
 
 
 def _line(name: str, u: dict) -> str:
-    return (f"[explain] {name}: {u['rows_in']} rows, {u['rows_kept']} kept, {u['dropped']} dropped "
-            f"({u['refusals']} refusals), tokens in {u['tokens_in']}, out {u['tokens_out']}")
+    reasons = ", ".join(f"{u.get(f'dropped_{w}', 0)} {w.replace('_', ' ')}" for w in DROP_REASONS if u.get(f"dropped_{w}"))
+    if u["dropped"] and not reasons:  # a split written before the reasons were recorded
+        reasons = f"{u['refusals']} refusals"
+    return (f"[explain] {name}: {u['rows_in']} rows, {u['rows_kept']} kept, {u['dropped']} dropped"
+            + (f" ({reasons})" if u["dropped"] else "") + f", tokens in {u['tokens_in']}, out {u['tokens_out']}")
 
 
 def explain_splits(splits_dir, *, base_url: str, model: str, api: str = "openai", api_key_env: str | None = None,
@@ -385,7 +397,7 @@ def explain_splits(splits_dir, *, base_url: str, model: str, api: str = "openai"
         dst = splits_dir / f"{s}{OUT_SUFFIX}"
         rec = _complete(dst) if dst.is_file() else None
         if rec is not None:
-            usage[s] = {k: rec.get(k, 0) for k in ("rows_in", "rows_kept", "dropped", "refusals", "tokens_in", "tokens_out")}
+            usage[s] = {k: rec.get(k, 0) for k in USAGE_KEYS}
             log(f"[explain] {s}: {dst.name} is already complete ({rec.get('rows_kept')} rows, by {rec.get('teacher_model')}); "
                 "skipped (delete it to ask again)")
         else:
@@ -399,7 +411,7 @@ def explain_splits(splits_dir, *, base_url: str, model: str, api: str = "openai"
             usage.update(_run(client, splits_dir, todo, inputs, model, api, max_rows, answer_retries, log, progress))
         finally:
             client.close()
-    total = {k: sum(u[k] for u in usage.values()) for k in ("rows_in", "rows_kept", "dropped", "refusals", "tokens_in", "tokens_out")}
+    total = {k: sum(u.get(k, 0) for u in usage.values()) for k in USAGE_KEYS}
     for s in splits:
         log(_line(s, usage[s]))
     log(_line("total", total))
@@ -436,6 +448,15 @@ def _run(client, splits_dir: Path, todo: list[str], inputs: dict, model: str, ap
     return usage
 
 
+def journaled_rows(splits_dir) -> int:
+    """Rows answered and journaled under ``splits_dir/.explain`` (0 when there is none or it cannot be read)."""
+    work = Path(splits_dir) / WORK
+    try:
+        return sum(len(_read_journal(d, d.name, 1 << 62)) for d in work.iterdir() if d.is_dir())
+    except (NlaInputError, OSError):
+        return 0
+
+
 def _kept_any(work: Path, splits) -> bool:
     """Whether any journal record under ``work`` kept an explanation (a damaged journal counts as yes)."""
     try:
@@ -448,8 +469,11 @@ def _kept_any(work: Path, splits) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``nla-grpo data explain``."""
     parser.add_argument("splits_dir", help="the OUT_DIR of `nla-grpo data extract` (holds av_sft.parquet, ar_sft.parquet)")
-    parser.add_argument("--base-url", required=True, help="the teacher's API, e.g. http://127.0.0.1:8000/v1 or https://api.anthropic.com")
-    parser.add_argument("--model", required=True, help="the teacher model's name at that API")
+    parser.add_argument("--base-url", help="the teacher's API, e.g. http://127.0.0.1:8000/v1 or https://api.anthropic.com")
+    parser.add_argument("--model", help="the teacher model's name at that API")
+    parser.add_argument("--teacher", choices=("fixture",), default=None,
+                        help="fixture: the tiny fixture's rule (the explanation is the marked token), served on loopback "
+                             "instead of --base-url/--model; for `nla-grpo data tiny` data only, never for real data")
     parser.add_argument("--api", choices=("openai", "anthropic"), default="openai",
                         help="OpenAI-compatible chat completions or Anthropic Messages (default: openai)")
     parser.add_argument("--api-key-env", metavar="VAR", default=None, help="the environment variable holding the key")
@@ -460,11 +484,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="the teacher's reply cap")
 
 
+def teacher_arguments(teacher: str | None, base_url: str | None, model: str | None) -> None:
+    """Either ``--teacher fixture`` or both ``--base-url`` and ``--model`` (one line otherwise)."""
+    if teacher is not None:
+        for flag, value in (("--base-url", base_url), ("--model", model)):
+            if value:
+                raise NlaInputError(flag, f"--teacher {teacher} is its own teacher: expected no {flag}, found {value!r}")
+        return
+    for flag, value in (("--base-url", base_url), ("--model", model)):
+        if not value:
+            raise NlaInputError(flag, f"the teacher's {flag.removeprefix('--').replace('-', ' ')} is needed "
+                                      "(or --teacher fixture, for the tiny fixture's data)")
+
+
 def run(args, log=print) -> int:
     """``nla-grpo data explain``: explain the SFT splits, print the usage and what comes next."""
-    explain_splits(args.splits_dir, base_url=args.base_url, model=args.model, api=args.api, api_key_env=args.api_key_env,
-                   concurrency=args.concurrency, max_rows=args.max_rows, timeout_s=args.timeout_s, retries=args.retries,
-                   max_tokens=args.max_tokens, log=log)
+    import contextlib
+
+    teacher_arguments(args.teacher, args.base_url, args.model)
+    with contextlib.ExitStack() as stack:
+        base_url, model, api = args.base_url, args.model, args.api
+        if args.teacher == "fixture":
+            from dataprep.fixture_teacher import MODEL_NAME, FixtureTeacher
+
+            base_url, model, api = stack.enter_context(FixtureTeacher()).url, MODEL_NAME, "openai"
+            log(f"[explain] teacher: the tiny fixture's rule (the explanation is the marked token), on {base_url}")
+        explain_splits(args.splits_dir, base_url=base_url, model=model, api=api, api_key_env=args.api_key_env,
+                       concurrency=args.concurrency, max_rows=args.max_rows, timeout_s=args.timeout_s, retries=args.retries,
+                       max_tokens=args.max_tokens, log=log)
     d = Path(args.splits_dir)
     log(f"next: nla-grpo sft av CONFIG.yaml and nla-grpo sft ar CONFIG.yaml with --set data.parquet={d / 'rl.parquet'} "
         f"(each stage reads its {d}/<stage>_sft{OUT_SUFFIX})")

@@ -340,11 +340,24 @@ def _run_services(job, run, resume_from) -> int:
 
 
 def _resume_hint(args, run_path) -> str:
-    """How to continue after an interrupt, naming the run directory this command was writing."""
+    """How to continue after an interrupt, true of what this command had written when it stopped."""
     import shlex
 
-    if args.cmd == "pipeline":
-        return "a run continues from its last checkpoint with the same `nla-grpo pipeline` command"
+    from orchestrator import pipeline
+
+    if pipeline.RUNNING or args.cmd == "pipeline":
+        return "the same `nla-grpo pipeline` command continues: finished stages are skipped and this one goes on where it stopped"
+    if args.cmd == "data" and args.data_cmd == "explain":
+        from dataprep.explain import journaled_rows
+
+        rows = journaled_rows(args.splits_dir)
+        if rows:
+            return f"{rows} answered rows are journaled in {Path(args.splits_dir) / '.explain'}: the same command asks only the rest"
+        return "no answer was journaled yet: the same command starts it again"
+    if args.cmd == "data" and args.data_cmd == "extract":
+        return "the same command continues the extraction where it stopped"
+    if args.cmd not in ("train", "sft"):
+        return "the same command starts it again"
     if run_path is None or not (Path(run_path) / "config.yaml").is_file():
         return "nothing was written yet: the same command starts it again"
     command = f"nla-grpo sft {args.sft_cmd}" if args.cmd == "sft" else "nla-grpo train"
@@ -356,6 +369,7 @@ def main(argv=None) -> int:
     from shared.errors import NlaInputError
 
     try:
+        _stop_on_signals()  # SIGTERM ends every command as Ctrl-C does: one line and 143, never a silent kill
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
         if args.cmd == "data" and args.data_cmd == "extract":

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.groups import RankFailure
+from orchestrator.health import HealthWatch, empty_share
 from orchestrator.job import Job
 from learner.reward import explanation_for, rewards_for
 from orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
@@ -138,14 +139,15 @@ def _evaluate(services, job: Job, step: int, run: RunDir, log) -> tuple[dict, li
     g = cfg.rollout.group_size
     vectors = torch.from_numpy(np.repeat(job.eval.activations[idx], g, axis=0))
     expl, mses, rewards = _score(services, job, samples, vectors)
-    out = eval_metrics(rewards, mses, job.fve_baseline)
+    out = eval_metrics(rewards, mses, job.fve_baseline, expl)
     records = []
     for j, i in enumerate(idx):
         s = samples[j * g]
         records.append({"step": step + 1, "row_id": int(job.eval.row_ids[i]), "doc_id": job.eval.doc_ids[i],
                         "reward": rewards[j * g], "mse": mses[j * g], "explanation": expl[j * g], "text": s.text})
     run.append_samples(records)
-    log(f"  [eval@{step + 1}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%}")
+    log(f"  [eval@{step + 1}] reward {out['eval/reward_mean']:+.3f} | fve {out['eval/fve']:+.3f} | ext {out['eval/extraction_rate']:.0%} "
+        f"| non-empty {out['eval/nonempty_rate']:.0%} | {out['eval/explanation_chars']:.1f} chars ({len(samples)} samples)")
     for r in records[: cfg.logging.samples_printed]:
         log(f"    row {r['row_id']} r={r['reward']:+.3f}: {str(r['explanation'])[:120]!r}")
     return out, records
@@ -205,6 +207,15 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     # the config and the data it was written with: resume refuses to continue on anything else
     RunState(step, order.state(), version, cfg.model_dump(mode="json"), job.data_fingerprint).write(tmp)
     return tmp
+
+
+def evaluates_at_start(cfg) -> bool:
+    """``logging.eval_at_start`` resolved: auto evaluates a run that starts from an adapter or a critic checkpoint."""
+    if not cfg.logging.eval_every:
+        return False
+    if cfg.logging.eval_at_start == "auto":
+        return bool(cfg.learner.adapter_init or cfg.critic.checkpoint)
+    return bool(cfg.logging.eval_at_start)
 
 
 def resolve_sleep(cfg, learner, log=print) -> bool:
@@ -267,6 +278,17 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)"
         + (f"; engines and learner up {time.time() - asked:.1f} s after the services were asked for" if asked else ""))
+    # ---- step 0: the held-out eval before any update (what a warm start brings, and RL must keep) ----
+    health = HealthWatch.from_config(cfg)
+    if start == 0 and evaluates_at_start(cfg):
+        try:
+            summary, _ = _evaluate(services, job, -1, run, log)
+        except BaseException as exc:
+            raise _step_error(exc, 0, "eval", services) from None
+        run.append_metrics({"step": 0, "adapter_version": version, **summary})
+        health.step0_fve = summary["eval/fve"]
+    else:  # a resumed run keeps its own step 0
+        health.step0_fve = next((r.get("eval/fve") for r in run.read_metrics() if r.get("step") == 0), None)
     t_run = time.time()
     last: dict = {}
     step, phase = start, "start"
@@ -348,6 +370,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
                 "length_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
                 "marker_echo_rate": sum(bool(s.marker_echo) for s in samples) / len(samples),
                 "mean_resp_len": float(np.mean([len(s.response_ids) for s in samples])),
+                "empty_rate": empty_share(expl),
                 "adapter_version": version,
                 "time/rollout": t_rollout, "time/score": t_score, "time/update": t_update,
                 "time/critic": t_critic, "time/push": t_push, "time/sleep": t_sleep,
@@ -376,6 +399,8 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             if (every and (step + 1) % every == 0) or step + 1 == cfg.grpo.steps:
                 pending = _write_checkpoint(services, run, order, feed, step + 1, version, job)
             row["time/checkpoint"] = time.time() - t
+            for line in health.check(row):
+                log(line)
             row["wall_s"] = time.time() - t0
             row["elapsed_s"] = time.time() - t_run
             run.append_metrics(row)

@@ -47,9 +47,15 @@ def sample_metrics(rewards: list[float], mses: list[float | None], advantages, t
     }
 
 
-def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: float) -> dict:
-    """The held-out eval's summary under this project's names and the reference trainer's."""
+def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: float,
+                 explanations: list[str | None] | None = None) -> dict:
+    """The held-out eval's summary under this project's names and the reference trainer's; with the samples'
+    ``explanations`` also the share that are non-empty and their mean length in characters (of the non-empty)."""
     valid = [m for m in mses if m is not None]
+    said = [e.strip() for e in explanations or [] if e and e.strip()]
+    shape = {} if explanations is None else {
+        "eval/nonempty_rate": len(said) / len(explanations) if explanations else float("nan"),
+        "eval/explanation_chars": _stat([len(e) for e in said], np.mean)}
     mse = _stat(valid, np.mean)
     fve = 1.0 - mse / fve_baseline
     return {
@@ -58,6 +64,7 @@ def eval_metrics(rewards: list[float], mses: list[float | None], fve_baseline: f
         "eval/mse_mean": mse, "eval/mse_mean_valid": mse,
         "eval/fve": fve, "eval/fve_pct": fve * 100.0,
         "eval/extraction_rate": len(valid) / len(mses) if mses else float("nan"),
+        **shape,
     }
 
 

@@ -11,6 +11,14 @@ each the very command a user would run by hand, with its output under DIR:
 A stage whose output is there and checks valid is skipped; one left half-way (a killed run) continues
 where it stopped, as each command does on its own. The first stage that fails stops the pipeline with
 its own one line and exit code.
+
+``DIR/pipeline.json`` records the pipeline fields each stage was made with and which run of the stage
+before it it read. A rerun whose fields differ for a stage that is already there (another
+``extract.layer``, say) is refused in one line naming the field, before anything runs: its products
+would mix with the new request's. So is a stage made from an earlier run of the stage before it.
+
+At the end one summary line per stage says what it reached: AV-SFT's and AR-SFT's held-out figures,
+RL's held-out FVE at step 0 (before any update) and at its last eval.
 """
 from __future__ import annotations
 
@@ -21,6 +29,8 @@ from pydantic import Field
 
 from shared.config import _Section
 from shared.errors import NlaInputError
+
+RUNNING = False  # set while run_pipeline runs its stages (an interrupted stage then names the pipeline's resume)
 
 
 class ExtractStage(_Section):
@@ -45,10 +55,14 @@ class ExtractStage(_Section):
 
 
 class ExplainStage(_Section):
+    teacher: Optional[Literal["fixture"]] = None
+    """fixture: the tiny fixture's rule (the explanation is the marked token; dataprep/fixture_teacher.py) instead of
+    a teacher at base_url; with tiny_fixture and no base_url it is what the pipeline takes. Never for real data."""
     base_url: Optional[str] = None
-    """The teacher's API (an OpenAI-compatible server such as `vllm serve`, or https://api.anthropic.com); required."""
+    """The teacher's API (an OpenAI-compatible server such as `vllm serve`, or https://api.anthropic.com); required
+    unless teacher is fixture."""
     model: Optional[str] = None
-    """The teacher model's name at that API; required."""
+    """The teacher model's name at that API; required unless teacher is fixture."""
     api: Literal["openai", "anthropic"] = "openai"
     """openai: chat completions; anthropic: the Messages API."""
     api_key_env: Optional[str] = None
@@ -62,6 +76,9 @@ class ExplainStage(_Section):
 class TrainStage(_Section):
     steps: Optional[int] = Field(None, ge=1)
     """GRPO steps (None = the run config's grpo.steps)."""
+    set: list[str] = Field(default_factory=list)
+    """Overrides of the run config for RL alone (after the pipeline's `set`): a start from SFT products wants
+    other rates than a fresh adapter (deploy/pipeline-tiny.yaml says which and why)."""
 
 
 class PipelineConfig(_Section):
@@ -125,24 +142,141 @@ def _split_problem(parquet: Path, model: str) -> str | None:
     return None
 
 
+# the pipeline fields each stage's output depends on (train.steps is not one: RL continues to more steps)
+STAGE_FIELDS = {
+    "tiny": ("tiny_fixture", "seed"),
+    "extract": ("tiny_fixture", "model", "corpus", "seed", "extract."),
+    "explain": ("explain.teacher", "explain.model", "explain.api", "explain.max_rows"),
+    "sft_av": ("config", "set"),
+    "sft_ar": ("config", "set"),
+    "rl": ("config", "set", "train.set"),
+}
+RECORD = "pipeline.json"
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def stage_fields(cfg: PipelineConfig, stage: str) -> dict:
+    """The pipeline fields ``stage`` is made with (``STAGE_FIELDS``), flattened."""
+    flat = _flat(cfg.model_dump(mode="json"))
+    return {k: v for k, v in sorted(flat.items()) if k.startswith(STAGE_FIELDS[stage])}
+
+
+class StageRecords:
+    """``DIR/pipeline.json``: per stage the fields it was made with and the run of the stage before it that it
+    read (each run of a stage gets a new number), written as each stage finishes."""
+
+    def __init__(self, out: Path, cfg: PipelineConfig):
+        import json
+
+        self.path, self.cfg, self.out = out / RECORD, cfg, out
+        try:
+            self.stages = json.loads(self.path.read_text())["stages"] if self.path.is_file() else {}
+        except (ValueError, KeyError, TypeError):
+            raise NlaInputError(self.path, "damaged: expected the pipeline's stage record (remove it to adopt the "
+                                           "stages as they are)") from None
+
+    def check_fields(self, stage: str, output: Path) -> None:
+        """Refuse, in one line naming the field, an existing ``output`` made with other pipeline fields."""
+        rec = self.stages.get(stage)
+        if rec is None or not output.exists():
+            return
+        now = stage_fields(self.cfg, stage)
+        for key in sorted(set(now) | set(rec["fields"])):
+            if now.get(key) != rec["fields"].get(key):
+                raise NlaInputError(key, f"{rec['fields'].get(key)!r} when {output} was made, {now.get(key)!r} now: its "
+                                         f"products would mix with this request's; use another --run-dir, or remove {output} "
+                                         "and the stages after it to redo them")
+
+    def check_inputs(self, stage: str, output: Path, before: tuple[str, ...]) -> None:
+        """Refuse to keep ``output`` when a stage it read from has been redone since."""
+        rec = self.stages.get(stage)
+        if rec is None:
+            return
+        for b in before:
+            if b in self.stages and (rec.get("after") or {}).get(b) != self.stages[b]["run"]:
+                raise NlaInputError(output, f"made from an earlier run of the {b} stage than the one there now: remove it "
+                                            "and the stages after it to redo them")
+
+    def done(self, stage: str, before: tuple[str, ...], ran: bool) -> None:
+        from shared.fileio import write_json
+
+        old = self.stages.get(stage)
+        run = (max((r["run"] for r in self.stages.values()), default=0) + 1) if ran or old is None else old["run"]
+        self.stages[stage] = {"fields": stage_fields(self.cfg, stage), "run": run,
+                              "after": {b: self.stages[b]["run"] for b in before if b in self.stages}}
+        write_json(self.path, {"stages": self.stages})
+
+
+# each stage and the stages whose output it reads
+READS = {"tiny": (), "extract": ("tiny",), "explain": ("extract",), "sft_av": ("explain",), "sft_ar": ("explain",),
+         "rl": ("sft_av", "sft_ar")}
+
+
 def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) -> int:
+    global RUNNING
     cfg, here = load_pipeline(path, overrides)
-    for field in ("base_url", "model"):  # before anything is written
-        if not getattr(cfg.explain, field):
-            raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
-                                            f"(--set explain.{field}=...)")
+    if cfg.explain.teacher is None and not cfg.explain.base_url and not cfg.explain.model and cfg.tiny_fixture:
+        cfg = cfg.model_copy(update={"explain": cfg.explain.model_copy(update={"teacher": "fixture"})})
+    if cfg.explain.teacher is None:
+        for field in ("base_url", "model"):  # before anything is written
+            if not getattr(cfg.explain, field):
+                raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
+                                                f"(--set explain.{field}=...)")
     from shared.ray_cluster import check_durable
 
     check_durable(run_dir, given=True)
     out = Path(run_dir).resolve()
+    if out.exists() and not out.is_dir():
+        raise NlaInputError(out, "not a directory (expected the pipeline's run directory)")
+    for name in ("tiny", "data", "sft_av", "sft_ar", "rl"):  # a stage's output of the wrong kind: before anything runs
+        if (out / name).exists() and not (out / name).is_dir():
+            raise NlaInputError(out / name, "not a directory (expected the pipeline's own output of that stage): move it away")
+    records = StageRecords(out, cfg)
+    outputs = {"tiny": out / "tiny", "extract": out / "data", "explain": out / "data", "sft_av": out / "sft_av",
+               "sft_ar": out / "sft_ar", "rl": out / "rl"}
+    for stage in READS:
+        records.check_fields(stage, outputs[stage])
     out.mkdir(parents=True, exist_ok=True)
+    RUNNING = True
     try:
-        return _run(cfg, here, out)
+        return _run(cfg, here, out, records)
     except SystemExit as stop:
         return int(stop.code or 0)
+    finally:
+        RUNNING = False
 
 
-def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
+def _summary(out: Path, log=print) -> None:
+    """One line per stage from its metrics: what AV-SFT and AR-SFT reached, where RL started (step 0) and ended."""
+    from orchestrator.run_dir import RunDir
+
+    def evals(run, key):
+        return [(r["step"], r[key]) for r in RunDir(out / run).read_metrics() if isinstance(r.get(key), (int, float))]
+
+    for name, run, key, what in (("AV-SFT", "sft_av", "eval/nll", "held-out token NLL"), ("AR-SFT", "sft_ar", "eval/fve", "held-out FVE")):
+        pts = evals(run, key)
+        if pts:
+            log(f"[summary] {name}: {what} {pts[0][1]:.3f} at step {pts[0][0]} -> {pts[-1][1]:.3f} at step {pts[-1][0]}")
+    rows = [r for r in RunDir(out / "rl").read_metrics() if isinstance(r.get("eval/fve"), (int, float))]
+    if rows:
+        first, last = rows[0], rows[-1]
+
+        def at(r):
+            nonempty = r.get("eval/nonempty_rate")
+            return (f"{r['eval/fve']:+.3f} at step {r['step']}"
+                    + (f" ({nonempty:.0%} non-empty)" if isinstance(nonempty, (int, float)) else ""))
+
+        lowest = min(rows, key=lambda r: r["eval/fve"])
+        log(f"[summary] RL: held-out FVE {at(first)} -> {at(last)}; lowest {lowest['eval/fve']:+.3f} at step {lowest['step']}")
+
+
+def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> int:
     def rel(p):
         return str((here / p).resolve()) if p and not Path(p).is_absolute() else p
 
@@ -151,8 +285,10 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
         tiny = out / "tiny"
         if (tiny / "subject" / "config.json").is_file() and (tiny / "corpus.jsonl").is_file():
             print(f"[pipeline] tiny fixture: {tiny} is there, skipped", flush=True)
+            records.done("tiny", READS["tiny"], ran=False)
         else:
             _stage("tiny fixture", ["data", "tiny", str(tiny), "--seed", str(cfg.seed)])
+            records.done("tiny", READS["tiny"], ran=True)
         model, corpus = str(tiny / "subject"), str(tiny / "corpus.jsonl")  # dataprep.tiny: its block 0 writes softly
     else:
         if not cfg.model or not cfg.corpus:
@@ -163,11 +299,13 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     data = out / "data"
     splits = [data / f"{s}.parquet" for s in ("av_sft", "ar_sft", "rl")]
     if all(p.is_file() for p in splits) and not (data / ".extract").exists():
+        records.check_inputs("extract", data, READS["extract"])
         for p in splits:
             problem = _split_problem(p, model)
             if problem:
                 raise NlaInputError(data, f"holds splits that do not check valid ({problem}); remove it to extract again")
         print(f"[pipeline] extract: {data} is there and checks valid, skipped", flush=True)
+        records.done("extract", READS["extract"], ran=False)
     else:
         e = cfg.extract
         argv = ["data", "extract", corpus, "--model", model, "--layer", str(e.layer), "--out", str(data),
@@ -175,13 +313,21 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
                 "--splits", e.splits, "--seed", str(cfg.seed), "--max-tokens", str(e.max_tokens),
                 "--batch-size", str(e.batch_size), "--workers", str(e.workers), "--injection-scale", e.injection_scale]
         _stage("extract", argv + (["--max-docs", str(e.max_docs)] if e.max_docs else []))
+        records.done("extract", READS["extract"], ran=True)
 
     # ---- 2. explanations ---------------------------------------------------------------------------
     x = cfg.explain
-    argv = ["data", "explain", str(data), "--base-url", x.base_url, "--model", x.model, "--api", x.api,
-            "--concurrency", str(x.concurrency)]
-    argv += (["--api-key-env", x.api_key_env] if x.api_key_env else []) + (["--max-rows", str(x.max_rows)] if x.max_rows else [])
+    explained = all((data / f"{s}_sft.explained.parquet").is_file() for s in ("av", "ar"))
+    if explained:
+        records.check_inputs("explain", data, READS["explain"])
+    if x.teacher == "fixture":
+        argv = ["data", "explain", str(data), "--teacher", "fixture", "--concurrency", str(x.concurrency)]
+    else:
+        argv = ["data", "explain", str(data), "--base-url", x.base_url, "--model", x.model, "--api", x.api,
+                "--concurrency", str(x.concurrency)] + (["--api-key-env", x.api_key_env] if x.api_key_env else [])
+    argv += ["--max-rows", str(x.max_rows)] if x.max_rows else []
     _stage("explain", argv)  # a split already explained in full is skipped by the command itself
+    records.done("explain", READS["explain"], ran=not explained)
 
     # ---- 3. SFT ------------------------------------------------------------------------------------
     paths = [f"model.path={model}", f"data.parquet={data / 'rl.parquet'}", "data.sidecar=null"]
@@ -190,8 +336,11 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     for stage in ("av", "ar"):
         run = out / f"sft_{stage}"
         if products[stage].is_file():
+            records.check_inputs(f"sft_{stage}", run, READS[f"sft_{stage}"])
             print(f"[pipeline] sft {stage}: {products[stage].parent} is there, skipped", flush=True)
-        elif (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
+            records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=False)
+            continue
+        if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
             _stage(f"sft {stage}", ["sft", stage, "--resume", str(run)])
         else:
             import shutil
@@ -199,6 +348,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
             shutil.rmtree(run, ignore_errors=True)  # a stage that failed before its first checkpoint: from the start
             _stage(f"sft {stage}", ["sft", stage, config, "--run-dir", str(run)]
                    + [a for o in list(cfg.set) + paths for a in ("--set", o)])
+        records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=True)
 
     # ---- 4. RL -------------------------------------------------------------------------------------
     rl = out / "rl"
@@ -208,6 +358,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
     if (rl / "checkpoints").is_dir() and any((rl / "checkpoints").glob("step_*")):
         from orchestrator.run_dir import RunDir
 
+        records.check_inputs("rl", rl, READS["rl"])
         last = RunDir(rl).latest_checkpoint()
         want = cfg.train.steps or RunDir.open(rl).config().grpo.steps
         if last is not None and int(last.name.removeprefix("step_")) >= want:
@@ -218,6 +369,9 @@ def _run(cfg: PipelineConfig, here: Path, out: Path) -> int:
         import shutil
 
         shutil.rmtree(rl, ignore_errors=True)
-        _stage("train", ["train", config, "--run-dir", str(rl)] + steps + [a for o in list(cfg.set) + paths for a in ("--set", o)])
+        _stage("train", ["train", config, "--run-dir", str(rl)] + steps
+               + [a for o in list(cfg.set) + list(cfg.train.set) + paths for a in ("--set", o)])
+    records.done("rl", READS["rl"], ran=True)
+    _summary(out)
     print(f"[pipeline] done: {out} (AV-SFT {products['av'].parent}, AR-SFT {products['ar'].parent}, RL {rl})", flush=True)
     return 0

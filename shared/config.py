@@ -375,6 +375,23 @@ class LoggingConfig(_Section):
     """Held-out prompts per evaluation."""
     samples_printed: int = Field(3, ge=0, le=100)
     """Eval explanations printed per evaluation."""
+    eval_at_start: Union[bool, str] = "auto"
+    """Evaluate the held-out prompts before the first update, logged as step 0 (eval FVE, explanation length,
+    share of non-empty explanations); auto = when the run starts from an adapter (learner.adapter_init) or a
+    critic checkpoint, whose starting quality is what RL must keep. Needs eval_every > 0."""
+    health_kl: float = Field(0.5, gt=0.0)
+    """[health] line when the update's KL to the reference (k3 mean) exceeds this (orchestrator/health.py)."""
+    health_empty: float = Field(0.5, ge=0.0, le=1.0)
+    """[health] line when more than this share of a step's explanations are missing or empty."""
+    health_fve_drop: float = Field(0.1, gt=0.0)
+    """[health] line when the held-out FVE falls more than this below its step-0 value."""
+
+    @field_validator("eval_at_start", mode="before")
+    @classmethod
+    def _eval_at_start(cls, v):
+        if v == "auto" or isinstance(v, bool):
+            return v
+        raise ValueError(f"expected auto, true or false, found {v!r}")
     wandb: Literal["disabled", "offline", "online"] = "disabled"
     """Weights & Biases mode (imported only when not disabled)."""
     wandb_project: str = "nla-grpo"
@@ -1002,6 +1019,9 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     raw = read_yaml_file(p)
     if raw is None:  # an empty file is a mistake, not "every default" (a 100-step r=128 job)
         raise NlaInputError(p, "empty config file: expected a mapping of sections (model, data, rollout, ...; see deploy/)")
+    if isinstance(raw, dict) and "extract" in raw and ("config" in raw or "tiny_fixture" in raw):
+        raise NlaInputError(p, "a pipeline file (config, extract, explain, train), not a run config: run it with "
+                               f"`nla-grpo pipeline {p} --run-dir DIR`")
     return build_config(_relative_to(raw, p.resolve().parent) if isinstance(raw, dict) else raw, str(p), overrides)
 
 

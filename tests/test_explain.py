@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from conftest import ROOT
+from conftest import ROOT, run_cli
 from dataprep import explain
 from dataprep.explain import explain_splits, parse_teacher_reply, teacher_prompt
 from shared.errors import NlaInputError
@@ -121,7 +121,7 @@ def test_a_straight_run_writes_the_explained_splits_and_a_sidecar_the_official_r
         assert meta == {**yaml.safe_load((tmp_path / f"{split}.parquet.nla_meta.yaml").read_text()), "row_count": n}
         assert load_spec(side).d_model == 8 and official_dataset_problems(meta) == []
     assert usage["total"]["rows_kept"] == sum(ROWS.values())
-    assert lines[-1].startswith("[explain] total: 64 rows, 64 kept, 0 dropped (0 refusals), tokens in ")
+    assert lines[-1].startswith("[explain] total: 64 rows, 64 kept, 0 dropped, tokens in ")
 
 
 def test_empty_answers_are_asked_again_and_refusals_dropped_and_counted(tmp_path):
@@ -135,6 +135,7 @@ def test_empty_answers_are_asked_again_and_refusals_dropped_and_counted(tmp_path
     assert out.column("explanation").to_pylist() == [e for i, e in enumerate(expected["av_sft"]) if i not in (7, 13)]
     assert out.column("doc_id").to_pylist() == [f"av_sft-{i // 3}" for i in range(20) if i not in (7, 13)]
     assert (usage["av_sft"]["rows_kept"], usage["av_sft"]["dropped"], usage["av_sft"]["refusals"]) == (18, 2, 2)
+    assert usage["av_sft"]["dropped_refusal"] == 2 and usage["av_sft"]["dropped_empty"] == 0
     assert yaml.safe_load((tmp_path / "av_sft.explained.parquet.nla_meta.yaml").read_text())["row_count"] == 18
 
 
@@ -246,3 +247,64 @@ def test_max_rows_takes_the_first_rows_and_anthropic_usage_is_counted(tmp_path):
     assert client._parse({"content": [{"type": "text", "text": "hi"}], "usage": {"input_tokens": 7, "output_tokens": 2}}) == ("hi", 7, 2)
     assert client._parse({"content": [{"type": "text", "text": "hi"}]}) == ("hi", 0, 0)
     client.close()
+
+
+def test_why_rows_were_dropped_is_counted_and_printed(tmp_path):
+    make_splits(tmp_path, {"av_sft": 20})
+    scripted = {"av_sft3⟧": "", "av_sft6⟧": "   ", "av_sft7⟧": "a ship, no tags", "av_sft8⟧": "I'm sorry, I can't.",
+                "av_sft9⟧": "<explanation>" + "a long essay line\n" * 40 + "</explanation>"}
+    reply = lambda user: next((text for mark, text in scripted.items() if mark in user), None)
+    lines = []
+    with TeacherServer(reply_fn=reply) as server:
+        usage = run(tmp_path, server.url, splits=("av_sft",), log=lines.append)
+    u = usage["av_sft"]
+    assert (u["rows_kept"], u["dropped"]) == (15, 5)
+    assert (u["dropped_empty"], u["dropped_no_tags"], u["dropped_refusal"], u["dropped_too_long"]) == (2, 1, 1, 1)
+    assert lines[0].startswith("[explain] av_sft: 20 rows, 15 kept, 5 dropped (2 empty, 1 refusal, 1 no tags, 1 too long), ")
+    rec = yaml.safe_load((tmp_path / "av_sft.explained.parquet.nla_meta.yaml").read_text())["explanations"]
+    assert rec["dropped_empty"] == 2 and rec["dropped_too_long"] == 1
+
+
+def _cli(*args, **kw):
+    """``nla-grpo`` itself, as a user runs it (a fresh process)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_the_fixture_teacher_names_the_marked_token_and_is_labelled(tmp_path):
+    expected = make_splits(tmp_path, {"av_sft": 20, "ar_sft": 10})
+    out, err = _cli("data", "explain", tmp_path, "--teacher", "fixture").communicate(timeout=120)
+    assert "the tiny fixture's rule" in out and "[explain] total: 30 rows, 24 kept, 6 dropped (6 empty)" in out, out + err
+    # the rule names the marked token; where the token does not end the text the mark is empty: dropped
+    got = pq.read_table(tmp_path / "av_sft.explained.parquet").column("explanation").to_pylist()
+    assert got == [e.split(" after ")[0] for e in expected["av_sft"] if not e.startswith("END")]
+    rec = yaml.safe_load((tmp_path / "av_sft.explained.parquet.nla_meta.yaml").read_text())["explanations"]
+    assert rec["teacher_model"] == "tiny-fixture-rule" and rec["teacher_base_url"].startswith("http://127.0.0.1:")
+    for args, needle in ((["--teacher", "fixture", "--model", "gpt"], "--model: --teacher fixture is its own teacher"),
+                         (["--model", "gpt"], "--base-url: the teacher's base url is needed (or --teacher fixture")):
+        res = run_cli("data", "explain", tmp_path / "elsewhere", *args)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and needle in res.stderr, res.stderr
+        assert not (tmp_path / "elsewhere").exists()
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_during_explain_is_one_true_line_and_the_rerun_resumes(tmp_path, sig, code):
+    make_splits(tmp_path)
+    with TeacherServer(block_after=30) as server:
+        proc = _cli("data", "explain", tmp_path, "--base-url", server.url, "--model", "teacher", "--concurrency", "4")
+        deadline = time.time() + 60
+        while server.blocked < 4 and time.time() < deadline:
+            time.sleep(0.05)
+        while journal_lines(tmp_path) < sum(server.answered.values()) and time.time() < deadline:
+            time.sleep(0.05)
+        journaled = journal_lines(tmp_path)
+        assert journaled >= 30
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == code and len(err.strip().splitlines()) == 1, (proc.returncode, err)
+        assert f"interrupted ({sig.name})" in err and f"{journaled} answered rows are journaled" in err, err
+        assert "the same command asks only the rest" in err and "Traceback" not in err
+        server.block_after = None
+        again = run_cli("data", "explain", tmp_path, "--base-url", server.url, "--model", "teacher")
+    assert again.returncode == 0 and f"resuming, {journaled} of 40 rows answered" in again.stdout, again.stdout + again.stderr

@@ -30,6 +30,14 @@ def test_cjk_fraction_and_empty_batches():
     e = eval_metrics([1.0, -9.0], [0.5, None], fve_baseline=2.0)
     assert e["eval/mse_mean_valid"] == e["eval/mse_mean"] == 0.5 and e["eval/fve_pct"] == pytest.approx(75.0)
     assert e["eval/reward_mean"] == pytest.approx(-4.0) and e["eval/reward_mean_valid"] == 1.0
+    assert "eval/nonempty_rate" not in e  # without the explanations there is nothing to say of them
+
+
+def test_the_eval_says_how_many_explanations_are_non_empty_and_how_long():
+    e = eval_metrics([1.0, -2.0, 0.5, -2.0], [0.5, None, 0.7, None], 2.0, ["salt", None, " tide ", "  "])
+    assert e["eval/nonempty_rate"] == 0.5 and e["eval/explanation_chars"] == 4.0
+    e = eval_metrics([-2.0], [None], 2.0, [None])
+    assert e["eval/nonempty_rate"] == 0.0 and math.isnan(e["eval/explanation_chars"])
 
 
 def test_a_step_timeline_closes_each_phase_where_the_next_begins():
