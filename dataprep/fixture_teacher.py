@@ -48,22 +48,38 @@ def fixture_reply(user: str) -> str:
     return f"<explanation>{fixture_explanation(marked(user)[0])}</explanation>"
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet request handler that answers JSON (``_send``); loopback chat servers subclass it."""
+
+    def log_message(self, *args):
+        pass
+
+    def _send(self, status: int, body) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+class LoopbackServer(ThreadingHTTPServer):
+    """A threaded server on 127.0.0.1 (a free port) whose request threads never hold the process."""
+
+    daemon_threads = True
+
+    def __init__(self, handler):
+        super().__init__(("127.0.0.1", 0), handler)
+
+    def handle_error(self, request, client_address):
+        pass  # a client that went away mid-request: nothing to report
+
+
 class FixtureTeacher:
     """``with FixtureTeacher() as t: ... t.url ...``: the rule behind ``/v1/chat/completions`` and ``/v1/models``."""
 
     def __init__(self):
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path.rstrip("/").endswith("/models"):
                     return self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model"}]})
@@ -82,13 +98,7 @@ class FixtureTeacher:
                                  "choices": [{"index": 0, "finish_reason": "stop",
                                               "message": {"role": "assistant", "content": text}}]})
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request, client_address):
-                pass  # a client that went away mid-request: nothing to report
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = LoopbackServer(Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="fixture-teacher", daemon=True)
 
     @property

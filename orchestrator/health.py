@@ -2,9 +2,10 @@
 metrics and reported as they happen.
 
 Three signs, each a pure function of the step's metrics row (and of the step-0 eval, for the last):
-- ``kl``: the k3 KL to the frozen reference, measured in the update, above ``logging.health_kl``. A warm
-  start (an AV-SFT adapter) at a rate suited to it stays far below it; a rate meant for a fresh adapter
-  moves the policy that far within a few updates.
+- ``kl``: the k3 KL to the frozen reference, measured in the update, above ``logging.health_kl``, in a run
+  that starts from an adapter (``learner.adapter_init``: its reference is what SFT learned). A warm start
+  at a rate suited to it stays far below it; a rate meant for a fresh adapter moves the policy that far
+  within a few updates. A run from a fresh adapter is meant to leave its start: its KL is not judged.
 - ``empty``: more than ``logging.health_empty`` of the step's samples give no explanation or an empty one
   (the collapse a reward hacked by saying nothing looks like).
 - ``eval_fve``: the held-out FVE more than ``logging.health_fve_drop`` below its step-0 value.
@@ -30,12 +31,12 @@ def empty_share(explanations: list[str | None]) -> float:
     return sum(1 for e in explanations if not (e or "").strip()) / len(explanations)
 
 
-def health_signs(row: dict, step0_fve: float | None, kl_max: float, empty_max: float, fve_drop: float) -> dict[str, tuple[bool, str]]:
-    """``{sign: (holds, why)}`` for the signs the row can tell (the eval sign only on an eval row after a
-    step-0 eval); ``why`` says what was seen against what was expected, on one line."""
+def health_signs(row: dict, step0_fve: float | None, kl_max: float | None, empty_max: float, fve_drop: float) -> dict[str, tuple[bool, str]]:
+    """``{sign: (holds, why)}`` for the signs the row can tell (the KL sign only with ``kl_max``, the eval sign
+    only on an eval row after a step-0 eval); ``why`` says what was seen against what was expected, on one line."""
     out: dict[str, tuple[bool, str]] = {}
     kl = _num(row, "kl_mean")
-    if kl is not None:
+    if kl is not None and kl_max is not None:
         out["kl"] = (kl > kl_max, f"KL to the reference {kl:.3g} (k3 mean) after the update, above {kl_max:g} "
                                   "(logging.health_kl): the policy is leaving its start fast; lower learner.lr or raise grpo.kl_beta")
     empty = _num(row, "empty_rate")
@@ -53,7 +54,7 @@ class HealthWatch:
     """Adds ``health/<sign>`` to each row and returns the ``[health]`` lines to print: a sign's line when it
     starts to hold (again only after a step where it did not)."""
 
-    def __init__(self, kl_max: float, empty_max: float, fve_drop: float, step0_fve: float | None = None):
+    def __init__(self, kl_max: float | None, empty_max: float, fve_drop: float, step0_fve: float | None = None):
         self.kl_max, self.empty_max, self.fve_drop = kl_max, empty_max, fve_drop
         self.step0_fve = step0_fve
         self.holding: set[str] = set()
@@ -61,7 +62,7 @@ class HealthWatch:
     @classmethod
     def from_config(cls, cfg, step0_fve: float | None = None) -> "HealthWatch":
         lg = cfg.logging
-        return cls(lg.health_kl, lg.health_empty, lg.health_fve_drop, step0_fve)
+        return cls(lg.health_kl if cfg.learner.adapter_init else None, lg.health_empty, lg.health_fve_drop, step0_fve)
 
     def check(self, row: dict) -> list[str]:
         lines = []

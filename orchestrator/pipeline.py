@@ -94,7 +94,8 @@ class PipelineConfig(_Section):
     corpus: Optional[str] = None
     """The corpus (parquet or JSONL of documents with 'text', optional 'doc_id'; relative to this file)."""
     seed: int = Field(0, ge=0)
-    """Seed of the extraction's positions and splits (the run config has its own)."""
+    """Seed of everything the pipeline makes: the tiny fixture, the extraction's positions and splits, and the run
+    config's own seed for SFT and RL (a `set` entry seed=N still overrides that)."""
     extract: ExtractStage
     explain: ExplainStage = Field(default_factory=ExplainStage)
     train: TrainStage = Field(default_factory=TrainStage)
@@ -147,9 +148,9 @@ STAGE_FIELDS = {
     "tiny": ("tiny_fixture", "seed"),
     "extract": ("tiny_fixture", "model", "corpus", "seed", "extract."),
     "explain": ("explain.teacher", "explain.model", "explain.api", "explain.max_rows"),
-    "sft_av": ("config", "set"),
-    "sft_ar": ("config", "set"),
-    "rl": ("config", "set", "train.set"),
+    "sft_av": ("config", "set", "seed"),
+    "sft_ar": ("config", "set", "seed"),
+    "rl": ("config", "set", "seed", "train.set"),
 }
 RECORD = "pipeline.json"
 
@@ -331,6 +332,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
 
     # ---- 3. SFT ------------------------------------------------------------------------------------
     paths = [f"model.path={model}", f"data.parquet={data / 'rl.parquet'}", "data.sidecar=null"]
+    sets = [f"seed={cfg.seed}"] + list(cfg.set)  # the pipeline's seed, unless its `set` names another
     config = rel(cfg.config)
     products = {"av": out / "sft_av" / "adapter" / "adapter_config.json", "ar": out / "sft_ar" / "critic" / "critic_meta.json"}
     for stage in ("av", "ar"):
@@ -347,7 +349,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
 
             shutil.rmtree(run, ignore_errors=True)  # a stage that failed before its first checkpoint: from the start
             _stage(f"sft {stage}", ["sft", stage, config, "--run-dir", str(run)]
-                   + [a for o in list(cfg.set) + paths for a in ("--set", o)])
+                   + [a for o in sets + paths for a in ("--set", o)])
         records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=True)
 
     # ---- 4. RL -------------------------------------------------------------------------------------
@@ -370,7 +372,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
 
         shutil.rmtree(rl, ignore_errors=True)
         _stage("train", ["train", config, "--run-dir", str(rl)] + steps
-               + [a for o in list(cfg.set) + list(cfg.train.set) + paths for a in ("--set", o)])
+               + [a for o in sets + list(cfg.train.set) + paths for a in ("--set", o)])
     records.done("rl", READS["rl"], ran=True)
     _summary(out)
     print(f"[pipeline] done: {out} (AV-SFT {products['av'].parent}, AR-SFT {products['ar'].parent}, RL {rl})", flush=True)

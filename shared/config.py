@@ -380,7 +380,8 @@ class LoggingConfig(_Section):
     share of non-empty explanations); auto = when the run starts from an adapter (learner.adapter_init) or a
     critic checkpoint, whose starting quality is what RL must keep. Needs eval_every > 0."""
     health_kl: float = Field(0.5, gt=0.0)
-    """[health] line when the update's KL to the reference (k3 mean) exceeds this (orchestrator/health.py)."""
+    """[health] line when the update's KL to the reference (k3 mean) exceeds this, in a run from an adapter
+    (learner.adapter_init; a fresh adapter is meant to leave its start) (orchestrator/health.py)."""
     health_empty: float = Field(0.5, ge=0.0, le=1.0)
     """[health] line when more than this share of a step's explanations are missing or empty."""
     health_fve_drop: float = Field(0.1, gt=0.0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from dataprep.fixture_teacher import JsonHandler, LoopbackServer
 
 
 class JudgeServer:
@@ -21,18 +22,7 @@ class JudgeServer:
         self.lock = threading.Lock()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status, body):
-                data = json.dumps(body).encode() if not isinstance(body, bytes) else body
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if self.path.endswith("/models"):
                     self._send(server.models_status, {"data": [{"id": "judge"}]})
@@ -77,13 +67,7 @@ class JudgeServer:
                     return 200, {"content": [{"type": "text", "text": text}], "role": "assistant"}
                 return 200, {"choices": [{"message": {"role": "assistant", "content": text}}]}
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request, client_address):
-                pass  # a client that timed out closed its socket: nothing to report
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = LoopbackServer(Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -12,18 +12,15 @@ answers every request hangs until the server stops, then gets no reply: a kill t
 from __future__ import annotations
 
 import json
-import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-_MARK = re.compile(r"(\S*?)\s*⟦([^⟧]*)⟧\s*$")
+from dataprep.fixture_teacher import JsonHandler, LoopbackServer, marked
 
 
 def expected_answer(user: str) -> str:
     """The explanation the server gives for a user prompt (what a test expects to find in the output)."""
-    doc = user.split("<document>\n", 1)[1].rsplit("\n</document>", 1)[0]
-    m = _MARK.search(doc)
-    return f"{m.group(2) or 'END'} after {m.group(1) or 'START'}"
+    token, before = marked(user)
+    return f"{token or 'END'} after {before or 'START'}"
 
 
 class TeacherServer:
@@ -40,18 +37,7 @@ class TeacherServer:
         self.release = threading.Event()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status, body):
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 if server.status:
                     return self._send(server.status, {"error": "no"})
@@ -89,13 +75,8 @@ class TeacherServer:
                 usage = {"prompt_tokens": len(user.split()), "completion_tokens": len(text.split()), "total_tokens": 0}
                 self._send(200, {"choices": [{"message": {"role": "assistant", "content": text}}], "usage": usage})
 
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
 
-            def handle_error(self, request, client_address):
-                pass  # a client that was killed closed its socket: nothing to report
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = LoopbackServer(Handler)
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 

@@ -27,6 +27,17 @@ def test_signs_the_row_cannot_tell_are_not_judged():
     assert health_signs({"empty_rate": 0.0}, None, 0.5, 0.5, 0.1).keys() == {"empty"}
     assert health_signs({"empty_rate": 0.0, "eval/fve": -3.0}, None, 0.5, 0.5, 0.1).keys() == {"empty"}
     assert health_signs({"kl_mean": float("nan")}, 0.3, 0.5, 0.5, 0.1) == {}
+    assert health_signs({"kl_mean": 3.0}, None, None, 0.5, 0.1) == {}  # a fresh adapter's run: its KL is not judged
+
+
+def test_the_kl_sign_watches_runs_from_an_adapter_only():
+    from shared.config import build_config
+
+    def watch(adapter):
+        raw = {"learner": {"adapter_init": adapter}} if adapter else {}
+        return HealthWatch.from_config(build_config(raw, "test"))
+
+    assert watch("/some/adapter").kl_max == 0.5 and watch(None).kl_max is None
 
 
 def test_a_line_when_a_sign_starts_to_hold_and_again_only_after_it_cleared():

@@ -7,7 +7,7 @@ the reconstructor on the teacher's own explanations): RL's step-0 held-out FVE, 
 least 0.6 x ceiling (it was -0.003 when the pipeline's AV-SFT stopped where its samples were wrong half the
 time); RL ends at least 0.05 above its step 0 and at 0.8 x ceiling; no held-out eval falls 0.1 below step 0;
 the last step's explanations are non-empty; the run prints no health line, and a summary line per stage.
-The same products trained at a fresh adapter's rate print the health line within five steps.
+The same products trained at the demo's from-scratch rates print the health line within five steps.
 
 Run again, every stage is skipped; another ``extract.layer`` on the same directory is refused in one
 line; a stage output of the wrong kind is one line; without a teacher for real data, one line."""
@@ -133,8 +133,10 @@ def test_the_sft_verbaliser_samples_what_the_reconstructor_reads(pipeline):
 def test_rl_at_a_fresh_adapters_rate_prints_the_health_line(pipeline, tmp_path):
     out, _, _ = pipeline
     cfg = out / "rl" / "config.yaml"
+    # the demo's from-scratch RL settings (deploy/tiny.yaml) on the SFT products
     res = run_cli("train", cfg, "--run-dir", tmp_path / "hot", "--steps", "5", "--set", "learner.lr=3e-3",
-                  "--set", "critic.lr=1e-3", "--set", "logging.eval_every=0", "--set", "checkpointing.every=0", timeout=900)
+                  "--set", "critic.lr=1e-3", "--set", "grpo.prompts_per_step=16", "--set", "logging.eval_every=0",
+                  "--set", "checkpointing.every=0", timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     health = [line for line in res.stdout.splitlines() if line.startswith("[health]")]
     assert health and int(re.match(r"\[health\] step (\d+): ", health[0]).group(1)) <= 5, res.stdout[-3000:]
