@@ -2,11 +2,11 @@
 fixture, extraction, the fixture's teacher (a real HTTP server on loopback, started by ``data explain``),
 AV-SFT, AR-SFT and RL from their products, each writing its output under the run directory.
 
-The NLA it hands back works (the acceptance of a warm start, *ceiling* being AR-SFT's last held-out FVE,
-the reconstructor on the teacher's own explanations): RL's step-0 held-out FVE, before any update, is at
-least 0.6 x ceiling (it was -0.003 when the pipeline's AV-SFT stopped where its samples were wrong half the
-time); RL ends at least 0.05 above its step 0 and at 0.8 x ceiling; no held-out eval falls 0.1 below step 0;
-the last step's explanations are non-empty; the run prints no health line, and a summary line per stage.
+The NLA it hands back works (*ceiling* being AR-SFT's last held-out FVE, the reconstructor on the teacher's own
+explanations): RL's step-0 held-out FVE, before any update, is at least 0.6 x ceiling (it was -0.003 when the
+pipeline's AV-SFT stopped where its samples were wrong half the time); RL ends above its step 0 (by 0.02, twice
+an eval's noise) and at 0.75 x ceiling; no held-out eval falls 0.1 below step 0; the last step's explanations
+are non-empty; the run prints no health line, and a summary line per stage.
 The same products trained at the demo's from-scratch rates print the health line within five steps.
 
 Run again, every stage is skipped; another ``extract.layer`` on the same directory is refused in one
@@ -60,7 +60,7 @@ def test_the_pipeline_hands_back_a_working_nla(pipeline):
     assert step0["step"] == 0 and [r["step"] for r in rl if "fve" in r] == list(range(1, 101))
     fves = [round(r["eval/fve"], 3) for r in evals]
     assert step0["eval/fve"] >= 0.6 * ceiling, (fves, ceiling)
-    assert last["eval/fve"] >= max(step0["eval/fve"] + 0.05, 0.8 * ceiling), (fves, ceiling)
+    assert last["eval/fve"] >= max(step0["eval/fve"] + 0.02, 0.75 * ceiling), (fves, ceiling)
     assert min(r["eval/fve"] for r in evals) >= step0["eval/fve"] - 0.1, fves
     assert 1 - rl[-1]["empty_rate"] >= 0.95 and last["eval/nonempty_rate"] >= 0.95
     assert "[health]" not in stdout and not any(r.get(k) for r in rl for k in r if k.startswith("health/"))
