@@ -318,10 +318,11 @@ def _run_services(job, run, resume_from) -> int:
             raise startup_error(exc) from None
         last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
     except BaseException:
-        if resume_from is None and not run.read_metrics() and not run.list_checkpoints():
+        if resume_from is None and not any(r.get("step", 0) > 0 for r in run.read_metrics()) and not run.list_checkpoints():
             import shutil
 
-            # a new run that failed before its first step leaves nothing behind: the same command works again
+            # a new run that failed before its first step (its step-0 eval aside) leaves nothing behind: the same
+            # command works again
             shutil.rmtree(run.path, ignore_errors=True)
         raise
     finally:

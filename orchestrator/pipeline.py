@@ -363,7 +363,8 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
         records.check_inputs("rl", rl, READS["rl"])
         last = RunDir(rl).latest_checkpoint()
         want = cfg.train.steps or RunDir.open(rl).config().grpo.steps
-        if last is not None and int(last.name.removeprefix("step_")) >= want:
+        ran = not (last is not None and int(last.name.removeprefix("step_")) >= want)
+        if not ran:
             print(f"[pipeline] train: {rl} is at step {want}, skipped", flush=True)
         else:
             _stage("train", ["train", "--resume", str(rl)] + steps)
@@ -371,9 +372,10 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
         import shutil
 
         shutil.rmtree(rl, ignore_errors=True)
+        ran = True
         _stage("train", ["train", config, "--run-dir", str(rl)] + steps
                + [a for o in sets + list(cfg.train.set) + paths for a in ("--set", o)])
-    records.done("rl", READS["rl"], ran=True)
+    records.done("rl", READS["rl"], ran=ran)
     _summary(out)
     print(f"[pipeline] done: {out} (AV-SFT {products['av'].parent}, AR-SFT {products['ar'].parent}, RL {rl})", flush=True)
     return 0
