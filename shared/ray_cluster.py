@@ -28,13 +28,29 @@ def quiet_env() -> dict:
 
 
 def start_ray() -> None:
-    """Join the cluster a ``ray job submit`` runs in, or start a private local one."""
-    import logging
+    """Join the cluster a ``ray job submit`` runs in, or start a private local one. The command's own SIGTERM and
+    SIGINT handlers (one line and exit 143 / 130) stay in place: ``ray.init`` installs a SIGTERM handler that
+    aborts the process with a native stack dump."""
+    import signal
 
     import ray
 
     if ray.is_initialized():
         return
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _init_ray()
+    finally:
+        for sig, handler in handlers.items():
+            if callable(handler):  # set again even where Python still reports it: Ray's handler is native
+                signal.signal(sig, handler)
+
+
+def _init_ray() -> None:
+    import logging
+
+    import ray
+
     quiet = quiet_env()
     level = logging.ERROR if quiet else logging.INFO  # Ray's own start-up lines in this process
     if os.environ.get("RAY_ADDRESS"):
