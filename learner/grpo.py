@@ -14,9 +14,12 @@ def group_advantages(rewards, group_ids, eps: float = 1e-6) -> torch.Tensor:
     """Per-prompt normalised rewards ``(r - mean_g) / (std_g + eps)``.
 
     ``std`` is the unbiased (n-1) standard deviation of the group, as the reference trainer uses;
-    a group with a single sample gets advantage 0 (there is nothing to compare it with).
+    a group with a single sample, or whose rewards are all equal, gets advantage 0 (there is nothing
+    to compare). The statistics are taken in float64: in float32 the mean of eight equal rewards
+    near 1.5 misses them by an ulp, and divided by ``std + eps`` = 1e-6 that rounding became an
+    advantage of about ±0.06 on every group whose samples agree.
     """
-    r = torch.as_tensor(rewards, dtype=torch.float32)
+    r = torch.as_tensor(rewards, dtype=torch.float64)
     g = torch.as_tensor(group_ids)
     if r.ndim != 1 or g.shape != r.shape:
         raise ValueError(f"expected rewards[N] and group_ids[N], found {tuple(r.shape)} and {tuple(g.shape)}")
@@ -24,10 +27,10 @@ def group_advantages(rewards, group_ids, eps: float = 1e-6) -> torch.Tensor:
     for gid in torch.unique(g):
         sel = g == gid
         group = r[sel]
-        if group.numel() < 2:
+        if group.numel() < 2 or bool((group == group[0]).all()):
             continue
         adv[sel] = (group - group.mean()) / (group.std() + eps)
-    return adv
+    return adv.to(torch.float32)
 
 
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,11 @@ def test_group_advantages():
     assert torch.allclose(adv[:3], torch.tensor([-1.0, 0.0, 1.0]), atol=1e-5)
     # all-equal group: zero advantage, not NaN
     assert (group_advantages([2.0, 2.0, 2.0], [4, 4, 4]) == 0).all()
+    # eight samples that said the same thing: the critic gives them one reward, which float32 statistics
+    # turned into an advantage of 0.056 each
+    same = float(torch.tensor(1.4335, dtype=torch.float32))
+    assert group_advantages(torch.full((8,), same), torch.zeros(8, dtype=torch.long)).abs().max() == 0.0
+    assert group_advantages(torch.tensor([-math.log(2.3373525142669678)] * 8), [0] * 8).abs().max() == 0.0
     # groups need not be contiguous, ids need not be small
     mixed = group_advantages([1.0, 10.0, 3.0, 20.0], [7, 9, 7, 9])
     assert torch.allclose(mixed, torch.tensor([-1.0, -1.0, 1.0, 1.0]) / math.sqrt(2), atol=1e-5)
