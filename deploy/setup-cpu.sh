@@ -3,7 +3,7 @@
 # A second run with nothing changed returns in about a second.
 # Outside a machine that has the CPU torch wheel on disk, point pip at PyTorch's CPU index first:
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash deploy/setup-cpu.sh
-NAME="" IMPORTS="vllm, ray, peft, shared"
+NAME="" IMPORTS="vllm, ray, peft, shared, nla_grpo, playwright"
 . "$(dirname "$0")/venv-lib.sh"
 if venv_is_current; then
   echo "setup: $VENV is up to date"

@@ -124,6 +124,16 @@ def _parser() -> argparse.ArgumentParser:
     dr.add_argument("--run-dir", default="runs", help="where runs will be written (its free disk is reported)")
     dr.add_argument("--ray-timeout", type=float, default=30.0, help="seconds to wait for the cluster of RAY_ADDRESS")
 
+    from nla_grpo.readout import add_arguments as read_arguments
+
+    read_arguments(sub.add_parser("read", help="read documents with a trained NLA: an explanation, MSE and FVE per token "
+                                                "position -> DIR/readout.parquet and DIR/readout.html (resumable)"))
+
+    ex = sub.add_parser("export", help="a trained NLA as a merged Hugging Face verbaliser (with its nla_meta.yaml) and its "
+                        "reconstructor (this project's critic and the AR-LoRA layout), for other tools and `read`")
+    ex.add_argument("nla", help="a pipeline run or an RL run (its newest checkpoint)")
+    ex.add_argument("out", help="the directory to write (new)")
+
     pl = sub.add_parser("plot", help="write PNG curves of a run's metrics")
     pl.add_argument("run_dir", help="a run directory (its metrics.jsonl); the PNGs go to RUN_DIR/plots")
     return p
@@ -357,6 +367,13 @@ def _resume_hint(args, run_path) -> str:
         return "no answer was journaled yet: the same command starts it again"
     if args.cmd == "data" and args.data_cmd == "extract":
         return "the same command continues the extraction where it stopped"
+    if args.cmd == "read":
+        from nla_grpo.readout import JOURNAL_DIR
+
+        journal = Path(args.out) / JOURNAL_DIR
+        if journal.is_dir():
+            return f"the documents read so far are journaled in {journal}: the same command reads only the rest"
+        return "nothing was written yet: the same command starts it again"
     if args.cmd not in ("train", "sft"):
         return "the same command starts it again"
     if run_path is None or not (Path(run_path) / "config.yaml").is_file():
@@ -419,6 +436,16 @@ def main(argv=None) -> int:
             from orchestrator.doctor import doctor
 
             return doctor(args.run_dir, args.ray_timeout)
+        if args.cmd == "read":
+            from nla_grpo.readout import run_read
+
+            return run_read(args, log=lambda m: print(m, flush=True))
+        if args.cmd == "export":
+            from nla_grpo.export import export
+
+            out = export(args.nla, args.out, log=lambda m: print(m, flush=True))
+            print(f"next: nla-grpo read {out} --text FILE --out DIR")
+            return 0
         if args.cmd == "plot":
             from orchestrator.plot import write_plots
 

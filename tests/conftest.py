@@ -44,6 +44,17 @@ def six_step_run(tiny_dir, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="session")
+def tiny_pipeline(tmp_path_factory):
+    """``nla-grpo pipeline deploy/pipeline-tiny.yaml`` run once per session, as the README runs it: (run directory,
+    the command's arguments, its stdout). Shared by the tests that only read its products."""
+    out = tmp_path_factory.mktemp("pipe") / "run"
+    args = ["pipeline", ROOT / "deploy/pipeline-tiny.yaml", "--run-dir", out]
+    res = run_cli(*args, timeout=1800)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return out, args, res.stdout
+
+
 def run_cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     """Run ``nla-grpo`` as a user would (a fresh process), capturing its output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))

@@ -30,12 +30,8 @@ def _metrics(path):
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
-    out = tmp_path_factory.mktemp("pipe") / "run"
-    args = ["pipeline", ROOT / "deploy/pipeline-tiny.yaml", "--run-dir", out]
-    res = run_cli(*args, timeout=1800)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    yield out, args, res.stdout
+def pipeline(tiny_pipeline):
+    return tiny_pipeline
 
 
 def test_the_pipeline_hands_back_a_working_nla(pipeline):
