@@ -49,11 +49,24 @@ def _fve_baseline(run: Path, spec) -> float:
     return sidecar_baseline(spec)
 
 
-def sidecar_baseline(spec) -> float:
+def sidecar_baseline(spec, rows: int = 4000) -> float:
+    """The sidecar's ``fve_baseline.rawvar``; without one, the training rows' as a run computes it (the first
+    ``rows`` of the parquet the sidecar sits beside)."""
     import yaml
+
+    from shared.spec import SIDECAR_SUFFIX
 
     raw = yaml.safe_load(Path(spec.path).read_text(encoding="utf-8")) or {}
     value = (raw.get("fve_baseline") or {}).get("rawvar") if isinstance(raw.get("fve_baseline"), dict) else None
+    parquet = Path(str(spec.path).removesuffix(SIDECAR_SUFFIX))
+    if value is None and str(spec.path).endswith(SIDECAR_SUFFIX) and parquet.is_file():
+        import torch
+
+        from shared.data import read_rows, split_eval
+        from shared.schema import fve_baselines
+
+        train, _ = split_eval(read_rows(parquet, spec.d_model), 0.1)
+        value = fve_baselines(torch.from_numpy(train.activations[:rows]), spec.mse_scale)[1]
     if not isinstance(value, (int, float)) or value <= 0:
         raise NlaInputError(spec.path, f"fve_baseline.rawvar: expected a positive number (the FVE denominator), found {value!r}")
     return float(value)

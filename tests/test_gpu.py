@@ -623,3 +623,38 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
     finally:
         actor.close()
         sender.close()
+
+
+def test_an_nla_reads_on_the_gpu_through_vllm(tiny_bf16_dir, tmp_path):
+    """``nla_grpo.NLA`` on the GPU: vLLM verbalises (LoRA adapter), the critic reconstructs on the GPU; a seeded
+    reading repeats itself, and the critic's scores match the CPU's."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from critic.scoring import Critic
+    from nla_grpo import NLA
+
+    model_dir, sidecar = tiny_bf16_dir / "model", tiny_bf16_dir / "rl.parquet.nla_meta.yaml"
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    cfg = build_config({"model": {"path": str(model_dir)}, "data": {"parquet": str(tiny_bf16_dir / "rl.parquet")},
+                        "critic": {"num_layers": 1}, "placement": {"mode": "cpu"}})
+    Critic(cfg, load_spec(sidecar)).save(tmp_path / "critic", optimizer=False)
+    gpu = NLA.from_parts(tmp_path / "adapter", tmp_path / "critic", sidecar, model=model_dir, device="cuda", backend="vllm",
+                         gpu_share=0.3, max_batch=64)
+    cpu = NLA.from_parts(tmp_path / "adapter", tmp_path / "critic", sidecar, model=model_dir, device="cpu", backend="hf")
+    try:
+        text = "the sea and the tree near a quiet street with bread and salt"
+        first = gpu.read([text], positions="from:2", samples=4, seed=5)
+        assert gpu.read([text], positions="from:2", samples=4, seed=5) == first
+        assert "vLLM" in gpu._engine.describe() and len(first) == len(gpu.tokens(text)) - 2
+        flat = [e for r in first for e in r["explanations"]]
+        assert sum(e is not None for e in flat) >= 0.9 * len(flat)
+        vectors = gpu.activations(gpu.tokens(text), [r["token_index"] for r in first])
+        texts = [r["explanation"] or "sea" for r in first]
+        assert gpu.score(texts, vectors) == pytest.approx(cpu.score(texts, vectors), abs=2e-2)
+    finally:
+        gpu.close()
+        cpu.close()

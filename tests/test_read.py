@@ -302,3 +302,17 @@ def test_the_readout_page_in_a_real_browser(held_out, tmp_path):
             assert requests == [page.as_uri()], requests
         finally:
             browser.close()
+
+
+def test_a_sidecar_without_a_baseline_takes_the_one_a_run_computes(tiny_dir):
+    """The tiny fixture's sidecar records no ``fve_baseline``: ``from_parts`` then divides by what a run on its
+    parquet would (its training rows, first 4,000)."""
+    from nla_grpo.parts import sidecar_baseline
+    from orchestrator.job import prepare_job
+    from shared.config import build_config
+    from shared.spec import load_spec
+
+    spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
+    cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+                        "placement": {"mode": "cpu"}, "rollout": {"backend": "hf"}})
+    assert sidecar_baseline(spec) == pytest.approx(prepare_job(cfg, log=lambda *a: None).fve_baseline, rel=1e-6)
