@@ -316,3 +316,33 @@ def test_a_sidecar_without_a_baseline_takes_the_one_a_run_computes(tiny_dir):
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
                         "placement": {"mode": "cpu"}, "rollout": {"backend": "hf"}})
     assert sidecar_baseline(spec) == pytest.approx(prepare_job(cfg, log=lambda *a: None).fve_baseline, rel=1e-6)
+
+
+def test_a_lora_critic_round_trips_through_the_ar_lora_layout(tiny_dir, tmp_path):
+    """``export`` writes a LoRA critic in the reference trainer's AR-LoRA layout; ``read`` converts it back: the same
+    reconstructions."""
+    import torch
+
+    from critic.scoring import Critic
+    from nla_grpo.export import _official_ar
+    from nla_grpo.parts import _critic_dir
+    from shared.config import build_config
+    from shared.spec import load_spec
+
+    spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
+    raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
+           "critic": {"lora_r": 4, "lora_alpha": 8, "num_layers": 1}, "placement": {"mode": "cpu"}}
+    torch.manual_seed(0)
+    critic = Critic(build_config(raw), spec)
+    with torch.no_grad():
+        for name, p in critic.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # a trained LoRA: B away from its zero start
+    critic.save(tmp_path / "critic", optimizer=False)
+    assert _official_ar(tmp_path / "critic", tmp_path / "ar") is None
+    assert sorted(p.name for p in (tmp_path / "ar").iterdir()) == ["ar_lora_value_head.safetensors", "ar_meta.json"]
+    back = _critic_dir(tmp_path / "ar", tiny_dir / "model")
+    again = Critic(build_config({**raw, "critic": {**raw["critic"], "checkpoint": str(back)}}), spec)
+    texts = ["sea", "a quiet street", "bread and salt"]
+    first = Critic(build_config({**raw, "critic": {**raw["critic"], "checkpoint": str(tmp_path / "critic")}}), spec)
+    assert torch.allclose(first.predict_ids(first.encode(texts)), again.predict_ids(again.encode(texts)), atol=1e-6)
