@@ -128,13 +128,14 @@ class Progress:
     def __init__(self, total_docs: int, log, every: float = 2.0):
         self.total, self.log, self.every = total_docs, log, every
         self.t0, self.last, self.positions, self.tty = time.time(), 0.0, 0, sys.stdout.isatty()
+        self.shown = None
 
     def update(self, docs_done: int, new_positions: int, final: bool = False) -> None:
         self.positions += new_positions
         now = time.time()
-        if not final and now - self.last < self.every:
+        if (not final and now - self.last < self.every) or (final and self.shown == (docs_done, self.positions) and not self.tty):
             return
-        self.last = now
+        self.last, self.shown = now, (docs_done, self.positions)
         rate = self.positions / max(now - self.t0, 1e-9)
         share = docs_done / max(self.total, 1)
         left = (now - self.t0) / share - (now - self.t0) if share > 0 else float("nan")
@@ -174,6 +175,15 @@ def readout_table(records: list[dict]):
 
 def run_read(args, log=print) -> int:
     from nla_grpo.nla import NLA, parse_positions, positions_of
+    from shared.ray_cluster import quiet_env
+
+    quiet = quiet_env()  # vLLM's start-up chatter and library warnings, as in a run's services (NLA_GRPO_VERBOSE=1 keeps them)
+    os.environ.update(quiet)
+    if "PYTHONWARNINGS" in quiet:
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
