@@ -212,7 +212,7 @@ def test_a_killed_read_continues_to_the_straight_runs_readout(held_out, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_bad_inputs_are_one_line_and_write_nothing(tiny_pipeline, tmp_path):
+def test_bad_inputs_are_one_line_and_write_nothing(tiny_pipeline, tiny_dir, tmp_path):
     run = tiny_pipeline[0]
     short = tmp_path / "short.txt"
     short.write_text("moss wolf")
@@ -254,6 +254,10 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_pipeline, tmp_path):
     (critic / "critic_meta.json").write_text(json.dumps({**meta, "d_model": 32}))
     with pytest.raises(NlaInputError, match="d_model"):
         NLA.from_parts(run / "sft_av" / "adapter", critic, sidecar)
+    # a critic trained on another subject model (the demo fixture's, other weights)
+    (critic / "critic_meta.json").write_text(json.dumps({**meta, "base_model": str(tiny_dir / "model")}))
+    with pytest.raises(NlaInputError, match="base_model: .*parts of different NLAs"):
+        NLA.from_parts(run / "sft_av" / "adapter", critic, sidecar, model=run / "tiny" / "subject")
     nla = NLA.from_parts(run / "sft_av" / "adapter", run / "sft_ar" / "critic", sidecar)  # the SFT pair itself loads
     assert nla.spec.layer_index == 0
 
