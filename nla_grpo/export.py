@@ -44,12 +44,13 @@ def _sidecar_with_injection(parts) -> dict:
 
 
 def _merge_verbalizer(parts, out: Path) -> None:
-    import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(parts.cfg.model.dtype, torch.float32)
+    from shared.torch_utils import resolve_dtype
+
+    dtype = resolve_dtype(parts.cfg.model.dtype, "cpu")  # merged on the CPU: auto is float32 there
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -177,8 +177,6 @@ class NLA:
     def reconstruct(self, texts: list[str]) -> np.ndarray:
         """The reconstructor's vector for each explanation, at the norm its MSE compares (NaN rows where a text
         is empty or too long for it)."""
-        import torch
-
         from shared.schema import normalize_activation
 
         ids = self.critic.encode(list(texts))
@@ -186,7 +184,7 @@ class NLA:
         ok = [i for i, x in enumerate(ids) if x is not None]
         if ok:
             pred = self.critic.predict_ids([ids[i] for i in ok])
-            out[ok] = normalize_activation(pred, self.spec.mse_scale).numpy() if isinstance(pred, torch.Tensor) else pred
+            out[ok] = normalize_activation(pred, self.spec.mse_scale).numpy()
         return out
 
     def score(self, texts: list[str | None], vectors) -> list[float | None]:

@@ -287,4 +287,5 @@ def _same_model(a: Path, b: Path) -> bool:
             h.update(f.read_bytes() if f.stat().st_size < 64 << 20 else f.name.encode() + str(f.stat().st_size).encode())
         return h.hexdigest()
 
-    return digest(a) is not None and digest(a) == digest(b)
+    first = digest(a)
+    return first is not None and first == digest(b)

@@ -116,11 +116,6 @@ class Journal:
             os.fsync(f.fileno())
 
 
-def _clock(seconds: float) -> str:
-    s = int(max(0, seconds))
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
-
-
 class Progress:
     """``[read] [#####.....] 12/40 documents | 384 positions | 31.5 positions/s | eta 0:00:09``: at most every 2 s
     (and at the end), on one line rewritten in a terminal, a line each otherwise."""
@@ -139,9 +134,11 @@ class Progress:
         rate = self.positions / max(now - self.t0, 1e-9)
         share = docs_done / max(self.total, 1)
         left = (now - self.t0) / share - (now - self.t0) if share > 0 else float("nan")
+        from orchestrator.driver import clock
+
         bar = "#" * round(20 * share) + "." * (20 - round(20 * share))
         line = (f"[read] [{bar}] {docs_done}/{self.total} documents | {self.positions} positions | {rate:.1f} positions/s"
-                + (f" | eta {_clock(left)}" if not final and math.isfinite(left) else ""))
+                + (f" | eta {clock(left)}" if not final and math.isfinite(left) else ""))
         if self.tty and not final:
             print("\r" + line, end="", flush=True)
         else:
