@@ -42,6 +42,11 @@ class LearnerActor:
         """The current adapter as a ``shared.weight_sync.AdapterMessage`` for every engine."""
         return self.sender.export(self.learner.export_adapter(device="live"))
 
+    def release_export(self, version: int) -> None:
+        """Every engine loaded adapter ``version``: the sender's buffer goes. Taking the loaded version makes Ray run
+        this only once every load returned."""
+        self.sender.release()
+
     def send_adapter(self, message) -> None:
         """The bytes of ``message`` where they travel apart from it (broadcast). Taking the message as an
         argument makes Ray skip this call when the export failed, so no stale buffer is ever sent."""

@@ -13,7 +13,8 @@ class _HelpFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action):
         text = action.help or ""
         default = action.default
-        if (default in (None, False, [], argparse.SUPPRESS) or "default" in text
+        # by identity: 0 == False (and 0 in (None, False)) would hide a default of 0
+        if (default is None or default is False or default == [] or default is argparse.SUPPRESS or "default" in text
                 or not action.option_strings and action.nargs not in ("?", "*")):
             return text
         return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                           "config, sidecar, tokenizer, data) without loading weights or starting Ray; one ok line")
     cc.add_argument("config", help="run config YAML (see deploy/)")
     cc.add_argument("--show", action="store_true", help="also print the config resolved (every field, defaults filled in) as YAML")
+    cc.add_argument("--gpu-gib", type=float, metavar="GIB",
+                    help="placement colocated: the memory plan on a GPU of this many GiB (79.2 for an 80 GB H100, 139.8 for "
+                         "an H200), each phase's planned peak; refused in one line where a phase does not fit")
     _add_overrides(cc, "override a config field, e.g. grpo.steps=10")
 
     dsub = _group(sub, "data", "datasets: the tiny fixture, activations from a corpus, teacher explanations, checks")
@@ -187,6 +191,17 @@ def _config_check(args) -> int:
     job = prepare_job(cfg, log=lambda m: None)
     ok = (f"ok: {args.config}: {cfg.grpo.steps} steps of {cfg.grpo.prompts_per_step} prompts x {cfg.rollout.group_size} "
           f"samples over {len(job.train)} training rows ({len(job.eval)} held out), placement {cfg.placement.mode}")
+    if args.gpu_gib is not None:
+        from orchestrator.memory_budget import plan_colocated, summary
+        from shared.errors import NlaInputError
+
+        if cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm":
+            raise NlaInputError("--gpu-gib", f"the memory plan is a colocated vLLM run's: found placement.mode "
+                                             f"{cfg.placement.mode}, rollout.backend {cfg.rollout.backend}")
+        if not 1 <= args.gpu_gib <= 4096:
+            raise NlaInputError("--gpu-gib", f"expected a GPU's memory in GiB (1 to 4096), found {args.gpu_gib:g}")
+        plan = plan_colocated(job.services_config(), job.spec, int(args.gpu_gib * (1 << 30)))
+        print(summary(plan.table, plan.total_bytes).replace("[memory] ", ""), file=sys.stderr if args.show else sys.stdout)
     if args.show:  # as the job resolved it (the critic's structure from its checkpoint); the ok line as a comment
         sys.stdout.write(dump_config(job.cfg) + f"# {ok}\n")  # after it, so the output still loads as the config
     else:
@@ -318,6 +333,7 @@ def _run_services(job, run, resume_from) -> int:
     _stop_on_signals()
     services = None
     try:
+        _plan_memory(job, run)
         try:
             asked = time.time()
             services = start_services(job.services_config(), job.spec)
@@ -348,6 +364,23 @@ def _run_services(job, run, resume_from) -> int:
     print(f"[done] {run.path}: step {last.get('step', '-')}, reward {last.get('reward_mean', float('nan')):+.3f}, "
           f"fve {last.get('fve', float('nan')):+.3f}")
     return 0
+
+
+def _plan_memory(job, run) -> None:
+    """A colocated vLLM run on this node's GPU: the memory plan per phase, printed and kept as ``memory_plan.json`` in
+    the run directory; a job that cannot fit is refused here, before any actor starts."""
+    cfg = job.cfg
+    if cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm":
+        return
+    from orchestrator.memory_budget import gpu_total_bytes, plan_colocated, summary
+    from shared.fileio import write_json
+
+    total = gpu_total_bytes()
+    if total is None:
+        return
+    plan = plan_colocated(job.services_config(), job.spec, total)
+    print(summary(plan.table, total), flush=True)
+    write_json(run.path / "memory_plan.json", plan.as_json())
 
 
 def _resume_hint(args, run_path) -> str:

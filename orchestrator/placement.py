@@ -139,11 +139,11 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         ray.get(pg.ready())
         # vLLM sizes its share from the free memory it sees while profiling; an engine or a learner loading
         # beside it at that moment makes the profile wrong (or fails it), so each starts once the last is up
-        from orchestrator.gpu_residents import colocated_residents
+        from orchestrator.memory_budget import beside_colocated_engines
 
-        # the engines' auto plan leaves the learner and critic what they will hold beside them
+        # the engines' auto plan leaves the rest of the GPU what it holds beside them in the fullest awake phase
         plan = spec is not None and backend == "vllm" and cfg.rollout.gpu_memory_utilization == "auto"
-        residents = {"resident_bytes": colocated_residents(cfg, spec)} if plan else {}
+        residents = {"resident_bytes": beside_colocated_engines(cfg, spec)} if plan else {}
         rollouts = []
         for _ in range(cfg.rollout.num_engines):
             engine = RolloutActor.options(num_cpus=0, num_gpus=0.4 / cfg.rollout.num_engines,

@@ -38,4 +38,5 @@ class AdapterPush:
         versions = ray.get(loads)
         if len(set(versions)) != 1:
             raise RuntimeError(f"engines report different adapter versions after a push: {versions}")
+        ray.get(self.learner.release_export.remote(versions[0]))  # every engine holds its copy now
         return versions[0]

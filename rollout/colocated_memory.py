@@ -1,5 +1,5 @@
 """Sizes from the checkpoint's config and file sizes: a copy of the base in a precision or in NF4, a LoRA's
-parameters. The engine plan counts its weights with them, and ``orchestrator.gpu_residents`` what the learner and
+parameters. The engine plan counts its weights with them, and ``orchestrator.memory_budget`` what the learner and
 the critic hold beside a colocated engine.
 """
 from __future__ import annotations

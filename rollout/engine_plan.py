@@ -13,7 +13,7 @@ Pure functions of the run config and the model's shape, so the sizes can be test
   shared prompt blocks once with prefix caching, each sample's own tail and response blocks), +25%,
   and asks for weights + that + a fixed ``ENGINE_OVERHEAD_BYTES`` for activations and graphs; the
   rest of the GPU is the learner's and the critic's. What they hold while the engine is awake
-  (``resident_bytes``, ``orchestrator.gpu_residents``) comes off the top first. Where one step's KV does not
+  (``resident_bytes``, ``orchestrator.memory_budget``) comes off the top first. Where one step's KV does not
   fit beside them (128 x 8 at 8B on an 80 GB card), the engine gets what is left and ``max_num_seqs: auto``
   admits only the groups whose longest KV fits, so the step runs in waves of whole groups instead of vLLM
   preempting samples late in their decode (it admits a request once its prompt fits); the learner no longer

@@ -93,6 +93,13 @@ def model_runner(llm) -> str:
     return "v2" if getattr(config, "use_v2_model_runner", False) else "v1"
 
 
+def async_scheduling(llm) -> bool:
+    """Whether the engine schedules step n+1 while step n runs on the device (vLLM 0.26 turns it on by default where
+    the executor supports it, the one-process executor included)."""
+    config = getattr(getattr(llm, "llm_engine", None), "vllm_config", None)
+    return bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
+
+
 def shutdown_engine_core(llm) -> None:
     """Stop the engine core's processes now (dropping the ``LLM`` leaves them to the garbage collector)."""
     core = _engine_core(llm)
@@ -158,18 +165,17 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
     except ImportError:  # older layout (0.26)
         from vllm.lora.models import LoRAModel
 
+    manager = _worker_lora_manager(worker)
     message = received_message(payload)
     if message is not None or hasattr(payload, "entries"):  # a forwarded cuda_ipc message: copy the learner's buffer
         tensors = message_tensors(message or payload)
     elif isinstance(payload, (bytes, bytearray)):
         tensors = load_safetensors(payload)
     else:
-        # vLLM scales lora_B in place when it optimises the model: never let it touch the caller's tensors
-        tensors = {k: v.clone() for k, v in payload.items()}
+        tensors = private_lora_tensors(payload, manager.lora_config.lora_dtype)
     device = str(next(iter(tensors.values())).device) if tensors else "cpu"
     _sync(device)
     t1 = time.perf_counter()
-    manager = _worker_lora_manager(worker)
     helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": manager.max_position_embeddings})
     helper.validate_legal(manager.lora_config)
     model = manager._adapter_manager.model
@@ -192,11 +198,33 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
         added = bool(manager.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path)))
     finally:
         del manager._load_adapter
-    _sync(device)
+    _release_transients(device)
     t3 = time.perf_counter()
     if not added:
         raise RuntimeError(f"vLLM refused adapter id {lora_int_id} ({lora_name})")
     return {"unpack": t1 - t0, "build": t2 - t1, "add": t3 - t2}
+
+
+def private_lora_tensors(tensors: dict, lora_dtype) -> dict:
+    """The caller's tensors, made safe to hand to ``LoRAModel.from_lora_tensors``: vLLM scales lora_B in place when it
+    optimises the model, on the tensor it got where that is already in the LoRA dtype (``.to`` returns it as is), so
+    those are cloned; any other is converted into a new tensor there anyway (a received fp32 adapter: no second
+    fp32 copy on the GPU during a push)."""
+    import torch
+
+    same = (lambda t: True) if not isinstance(lora_dtype, torch.dtype) else (lambda t: t.dtype == lora_dtype)
+    return {k: v.clone() if same(v) else v for k, v in tensors.items()}
+
+
+def _release_transients(device: str) -> None:
+    """After a push: wait for it, and give what it allocated for a moment (the received copy, the merge's fp32
+    slices) back to the device, where the colocated learner's next update can use it; torch's cache in this process
+    would otherwise keep it."""
+    _sync(device)
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _sync(device: str) -> None:
@@ -554,7 +582,7 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
             if row != w.shape[0] or a.shape[1] != w.shape[1]:
                 raise RuntimeError(f"rollout.lora merged: the adapter's deltas for {name} are {row} x {a.shape[1]}, "
                                    f"the weight is {tuple(w.shape)}")
-    _sync(str(next(iter(params.values())).device))
+    _release_transients(str(next(iter(params.values())).device))
     return {"merge": time.perf_counter() - t0, "weights": len(deltas)}
 
 

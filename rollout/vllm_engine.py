@@ -124,7 +124,7 @@ def vllm_quantizes(cfg) -> bool:
 
 def gpu_plan(cfg, dtype, total_bytes: int, resident_bytes: int = 0):
     """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
-    the learner and the critic, which hold ``resident_bytes`` there: ``orchestrator.gpu_residents``)."""
+    the learner and the critic, which hold ``resident_bytes`` there: ``orchestrator.memory_budget``)."""
     from rollout.colocated_memory import checkpoint_config
     from rollout.engine_plan import plan_engine
 
@@ -203,7 +203,7 @@ def check_engine_kwargs(vllm, kwargs: dict) -> None:
 
 class VllmEngine(RolloutEngine):
     """vLLM rollout engine with embed- or karvonen-mode injection and per-version LoRA adapters. ``resident_bytes``:
-    what the learner and critic hold beside a colocated engine on its GPU (``orchestrator.gpu_residents``), which
+    what the learner and critic hold beside a colocated engine on its GPU (``orchestrator.memory_budget``), which
     ``gpu_memory_utilization: auto`` leaves them."""
 
     def __init__(self, cfg, spec, device: str = "cpu", resident_bytes: int = 0):
@@ -398,7 +398,7 @@ class VllmEngine(RolloutEngine):
 
     def describe(self) -> str:
         """vLLM's version, its model runner, how the vector reaches it and the KV cache and batch it was planned."""
-        from rollout.vllm_compat import model_runner
+        from rollout.vllm_compat import async_scheduling, model_runner
 
         kw, gib = self.plan_kwargs, 1 << 30
         vector = ("the marker's row as a multimodal item" if self.vector_input == "multimodal"
@@ -407,7 +407,8 @@ class VllmEngine(RolloutEngine):
         seqs = f", up to {kw['max_num_seqs']} samples at once" if kw.get("max_num_seqs") else ""
         return (f"vLLM {self._vllm.__version__} on {self.device}, {model_runner(self.llm).upper()} model runner, "
                 f"{self.cfg.injection.mode} injection through {vector}, LoRA {self.cfg.rollout.lora}, prefix caching "
-                f"{'on' if self.prefix_caching else 'off'}{kv}{seqs}")
+                f"{'on' if self.prefix_caching else 'off'}{kv}{seqs}, async scheduling "
+                f"{'on' if async_scheduling(self.llm) else 'off'}")
 
     def sleep(self) -> None:
         # level 1 offloads the weights to host memory and drops the KV cache; level 2 would drop the

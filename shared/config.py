@@ -134,11 +134,13 @@ class RolloutConfig(_Section):
     max_num_seqs: Union[Literal["auto"], Annotated[int, Field(ge=1, le=4096)]] = "auto"
     """vLLM scheduler batch limit; auto = one step's samples per engine (rounded up to 16), in one decode batch, or
     where a colocated auto KV cache is capped, the groups whose longest KV fits (rollout.engine_plan)."""
-    lora: Literal["adapter", "merged"] = "adapter"
+    lora: Literal["auto", "adapter", "merged"] = "auto"
     """adapter: the engine applies the pushed LoRA (vLLM's LoRA kernels); merged: each push folds it into the
     engine's own weights (W = W_base + s·B·A, from a host copy of the base), so decode runs with no LoRA at all;
     the rollout's numerics then differ a little more from the learner's (see grpo.tis_cap). With
-    model.quantization nf4, W_base is the learner's NF4 base dequantised to bf16 (the engine's weights in bf16)."""
+    model.quantization nf4, W_base is the learner's NF4 base dequantised to bf16 (the engine's weights in bf16).
+    auto: merged where an engine can merge on a GPU (vLLM, one GPU per engine, a weight_sync other than file), the
+    faster route at every batch measured, whose push also holds less memory; adapter elsewhere (the CPU)."""
     engine_core: Literal["in_actor", "own_process"] = "in_actor"
     """Where vLLM's engine core (scheduler and model runner) runs: in_actor, in the rollout actor's process,
     where a push reaches the worker as tensors and the request outputs are built between steps in the same
@@ -162,8 +164,10 @@ class RolloutConfig(_Section):
     """Skip CUDA graphs / compilation (faster start, slower decode)."""
     kv_cache_mb: int = Field(64, ge=8, le=1 << 20)
     """KV cache size on CPU engines, MiB."""
-    max_loras: int = Field(2, ge=1, le=64)
-    """Adapters an engine keeps registered; older versions are retired."""
+    max_loras: int = Field(1, ge=1, le=64)
+    """lora adapter: the LoRA slots an engine holds on the GPU, and the versions it keeps registered (older ones are
+    retired). Each generate call decodes with one version, so one serves; each slot holds an adapter of vLLM's
+    max_lora_rank in 16 bits (0.65 GiB at rank 128 on the Qwen3-8B shape)."""
     sleep_during_update: Union[Literal["auto"], bool] = "auto"
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
     its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere): on
@@ -551,6 +555,8 @@ class RunConfig(_Section):
         """Settings that validate one by one but cannot work together, or that placement cannot honour (every
         one of ``CROSS_FIELD_RULES`` the config breaks, a line each; the context ``{"rules": False}`` skips
         them, for their tests); then ``weight_sync: auto`` becomes the variant the placement calls for."""
+        if self.rollout.lora == "auto":
+            self.rollout.lora = lora_route(self)
         problems = cross_field_problems(self) if (info.context or {}).get("rules", True) else []
         if problems:
             raise ValueError("\n".join(problems))
@@ -561,6 +567,22 @@ class RunConfig(_Section):
                 sleep_pays(self) or not sleep_can_pay(self) or self.learner.micro_batch != "auto"):
             self.rollout.sleep_during_update = sleep_pays(self)
         return self
+
+
+def lora_route(cfg) -> str:
+    """``rollout.lora: auto``: merged where a vLLM engine on a GPU can merge (``merged_needs_one_vllm_engine_per_gpu``;
+    not a checkpoint saved quantised, whose bf16 weights the merged engine would need), adapter elsewhere."""
+    import json
+
+    r = cfg.rollout
+    stored = Path(str(cfg.model.path)) / "config.json"
+    try:
+        saved_quantised = stored.is_file() and bool(json.loads(stored.read_text()).get("quantization_config"))
+    except (OSError, ValueError, AttributeError):  # config.json itself is checked where the model is first read
+        saved_quantised = False
+    can_merge = (r.backend == "vllm" and cfg.placement.mode != "cpu" and r.tensor_parallel_size == 1
+                 and not cfg.weight_sync.registers_from_directory and not saved_quantised)
+    return "merged" if can_merge else "adapter"
 
 
 COLOCATED_MAX_ENGINES = 4

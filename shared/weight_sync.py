@@ -80,6 +80,11 @@ class WeightSender(ABC):
     def send(self, message: AdapterMessage) -> None:
         """The bytes, for the variants that send them apart from the message (``broadcast``)."""
 
+    def release(self) -> None:
+        """Every receiver holds its copy: the export buffer goes (a ``cuda_ipc`` one would otherwise hold the adapter's
+        fp32 bytes on the GPU through the next update)."""
+        self._buffer = None
+
     def close(self) -> None:
         self._buffer = None
 
@@ -141,7 +146,7 @@ class CudaIpcSender(WeightSender):
 
         if buf.device.type != "cuda":
             raise ValueError(f"weight_sync cuda_ipc needs the adapter on a CUDA device, found it on {buf.device}")
-        self._buffer = buf  # the receivers map this memory: it stays until the next export
+        self._buffer = buf  # the receivers map this memory: it stays until they hold their copies (``release``)
         return reduce_tensor(buf)
 
 

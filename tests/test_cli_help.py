@@ -25,10 +25,13 @@ def test_every_option_says_what_it_does_and_its_default():
             if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
                 continue
             assert action.help, f"{name} {action.option_strings or action.dest}: no description"
-            if action.default not in (None, False, []) and action.option_strings:
+            # by identity: a default of 0 is one to show (0 == False)
+            if not (action.default is None or action.default is False or action.default == []) and action.option_strings:
                 shown = parser._get_formatter()._get_help_string(action) % {"default": action.default}
                 assert "default" in shown and str(action.default) in shown, (name, action.dest, shown)
         assert "(default: None)" not in text and "(default: False)" not in text, name
+    tiny = dict(_parsers(_parser()))["nla-grpo data tiny"].format_help()
+    assert "(default: 0)" in " ".join(tiny.split()), tiny  # --seed
 
 
 @pytest.mark.parametrize("raw, overrides, line", [

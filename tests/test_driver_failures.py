@@ -52,6 +52,9 @@ class FakeLearner:
     def send_adapter(self, message):
         assert message.version == self.version
 
+    def release_export(self, version):
+        assert version == self.version
+
     def save(self, directory, reference=None):
         os.makedirs(directory)
 

@@ -1,6 +1,7 @@
 """benchmarks/gpu_timeline.py: the GPU's busy share and its idle gaps, blamed on the host ops that ran then;
 benchmarks/gpu_monitor.py: what nvidia-smi reported meanwhile."""
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +105,39 @@ def test_the_peak_of_each_phase_comes_from_the_polls_inside_its_windows():
     times = [5.0, 12.0, 19.0, 25.0, 45.0, 60.0, 80.0]
     values = [999.0, 30.0, 35.0, 80.0, 50.0, 70.0, 999.0]  # the polls before and after the steps count nowhere
     assert peak_by_phase(times, values, timeline) == {"rollout": 50.0, "update": 80.0}  # no poll fell in push
+
+
+def test_the_colocated_job_benchmark_runs_the_shipped_config():
+    """benchmarks/job_benchmark.py's colocated job is deploy/colocated.yaml with only the paths, the batch and the
+    workload's shape changed (and what the command line names), so its figures are the shipped config's."""
+    import argparse
+
+    import yaml
+
+    import job_benchmark
+    from shared.config import build_config
+
+    ap = argparse.ArgumentParser()
+    job_benchmark.step_benchmark.add_workload_args(ap, steps=3)
+    ap.set_defaults(vllm_mem=None, micro_batch=None, placement="colocated", sleep=None, overlap=False, engines=None,
+                    no_prefix_caching=False, nf4_fp32_modules=False, tis_cap=None, engine_option=[],
+                    **{flag[2:].replace("-", "_"): None for flag, *_ in job_benchmark.CHOICES})
+    args = ap.parse_args(["--prompts", "64"])
+    deploy = yaml.safe_load(job_benchmark.DEPLOY.read_text())
+    cfg = job_benchmark.job_config(Path("/work"), args)
+    changed = {(s, k) for s in set(cfg) | set(deploy) for k in set(cfg.get(s) or {}) | set(deploy.get(s) or {})
+               if (cfg.get(s) or {}).get(k) != (deploy.get(s) or {}).get(k)}
+    allowed = {("model", "path"), ("data", "parquet"), ("data", "max_rows"), ("data", "eval_fraction"),
+               ("data", "fve_baseline_rows"), ("critic", "checkpoint"), ("critic", "num_layers"), ("learner", "adapter_init"),
+               ("learner", "lora_r"), ("rollout", "group_size"), ("rollout", "max_new_tokens"), ("rollout", "prefill"),
+               ("rollout", "cap_is_failure"), ("prompts", "enable_thinking"), ("grpo", "steps"),
+               ("grpo", "prompts_per_step"), ("logging", "eval_every")}
+    assert changed <= allowed, changed - allowed
+    assert cfg["grpo"]["prompts_per_step"] == 64 and cfg["placement"] == deploy["placement"]
+    assert cfg["learner"] == {k: v for k, v in deploy["learner"].items() if k != "adapter_init"}
+    resolved = build_config(cfg)
+    assert resolved.rollout.lora == "merged" and resolved.rollout.gpu_memory_utilization == "auto"
+    named = ap.parse_args(["--prompts", "64"])
+    named.lora, named.quantization = "adapter", "nf4"
+    cfg = job_benchmark.job_config(Path("/work"), named)
+    assert cfg["rollout"]["lora"] == "adapter" and cfg["model"]["quantization"] == "nf4"

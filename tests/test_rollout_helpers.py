@@ -142,7 +142,8 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
         assert kw.get("hf_overrides") == (None if mode == "embed" else {
             "architectures": ["NlaKarvonenQwen3ForCausalLM"], "nla_karvonen_layer": 1, "nla_marker_id": 7})
     # NF4 in flight, the learner's base: from model.quantization alone
-    nf4 = build_config({"model": {**model, "quantization": "nf4", "dtype": "bfloat16"}, "placement": {"mode": "colocated"}})
+    nf4 = build_config({"model": {**model, "quantization": "nf4", "dtype": "bfloat16"}, "placement": {"mode": "colocated"},
+                        "rollout": {"lora": "adapter"}})  # the merged route (auto, on a GPU) runs the base dequantised
     assert engine_kwargs(nf4, "cuda", torch.bfloat16, marker_id=7)["quantization"] == "bitsandbytes"
     assert "quantization" not in engine_kwargs(build_config({"model": model}), "cuda", torch.bfloat16)
     # sleep auto, colocated: decided at start, after the engine is built, so the engine can sleep; elsewhere it cannot

@@ -68,7 +68,7 @@ def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir)
 
     raw = {"model": {"path": str(tiny_dir / "model"), "dtype": "bfloat16", "quantization": "nf4"},
            "placement": {"mode": "colocated"}}
-    adapter = build_config(raw)
+    adapter = build_config({**raw, "rollout": {"lora": "adapter"}})
     merged = build_config({**raw, "rollout": {"lora": "merged"}})
     assert engine_kwargs(adapter, "cuda", "bfloat16", marker_id=7)["quantization"] == "bitsandbytes"
     assert "quantization" not in engine_kwargs(merged, "cuda", "bfloat16", marker_id=7)

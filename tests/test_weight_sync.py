@@ -55,6 +55,9 @@ class SyncLearner(LearnerActor):
     def expected(self):
         return {k: t.cpu() for k, t in self.learner.tensors.items()}
 
+    def holds_export(self) -> bool:
+        return self.sender._buffer is not None
+
     def message_bytes(self):
         """Pickled size of an export (what Ray carries besides any out-of-band buffer) and the adapter's size."""
         message = self.export_adapter()
@@ -118,6 +121,7 @@ def test_every_variant_delivers_each_version_exactly(ray_local, device, kind):
     expected = {}
     for version in (1, 2):
         assert push() == version
+        assert not ray.get(learner.holds_export.remote())  # every engine has its copy: the learner's buffer went
         expected[version] = ray.get(learner.expected.remote())
         ray.get(learner.train.remote())
     ray.get(learner.train.remote(fail_next_export=True))  # v4's export fails
