@@ -1,6 +1,6 @@
 """Fused kernels for the learner's decoder (``learner.kernels``), applied to one loaded model instance.
 
-A profile of the packed update on an H200 (``benchmarks/results/h200-learner-profile*.txt``) spends
+A profile of the packed update on a GPU spends
 about a third of its GPU time outside the GEMMs: RMSNorm with its fp32 casts, RoPE, SiLU·mul, residual
 adds, each a separate elementwise kernel forward and backward. Two ways to fuse them:
 

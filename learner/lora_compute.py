@@ -2,7 +2,7 @@
 
 PEFT keeps adapter weights in fp32 on a bf16 base (``autocast_adapter_dtype``) and then casts each
 layer's *input* to fp32, so every LoRA matmul of the 7 adapted linears runs in fp32, forward and
-backward, twice per micro-batch (policy and reference). On an H200 that made an r=128 policy pass
+backward, twice per micro-batch (policy and reference). On a GPU that made an r=128 policy pass
 73% slower than the bare base for ~5% more FLOPs. Here the small adapter matrices are cast to the
 activations' dtype instead (their gradient flows back through the cast into the fp32 weights), and
 the update is one fused ``addmm`` into the base output: ``y = base(x) + s·(x Aᵀ) Bᵀ``.
@@ -11,7 +11,7 @@ Over a dense base (``nn.Linear``) the order is turned round: the LoRA term first
 bias), then the base GEMM accumulates onto it in place, ``t += x Wᵀ`` (GEMM with beta = 1, the read of ``t``
 inside the GEMM's epilogue). ``addmm(base(x), x Aᵀ, Bᵀ)`` out of place first copies ``base(x)`` into a new
 tensor and then reads and writes it again: the output written three times and read twice, against twice and
-once here. In the H200 profile of the 8B update (``benchmarks/results/h200-learner-profile-liger_flex.txt``)
+once here. In a profile of the 8B update
 those copies and addmms took 2.5% + 6.8% of the GPU's time for about 2% of the FLOPs.
 ``ACCUMULATE_IN_BASE = False`` keeps the earlier order (the benchmark's A/B).
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 SAFETY = 1.5
-# fused kernels with flex or varlen attention: in three H200 runs (8B shape, RESULTS.md §13) the peak less the
+# fused kernels with flex or varlen attention: in three runs at the 8B shape the peak less the
 # weights, adapters and optimiser state was 0.98-0.99 of the count, 1.02-1.06 with the LM head's fp32 chunks (reserved
 # apart); with SDPA's dense mask it was 1.13 (eager) and 1.49 (liger), 1.18 and 1.56 with the chunks: those keep the
 # wider margin
@@ -31,7 +31,7 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
     intermediates, and SwiGLU its two inputs, not the SiLU output. Then a layer keeps, per token: the two
     norms' inputs and outputs (4 h; the outputs are the LoRA inputs), the q/k norms' inputs, the attention's
     q, k, v, output and the output's copy for o_proj (4 H·d + 3 kv·d), gate, up and down's input (3 I), and
-    the seven LoRA ranks. The H200 run of RESULTS.md §11 (8B shape, liger + flex, 7 groups of 1,385 tokens; 72.3 GiB
+    the seven LoRA ranks. A run at the 8B shape (liger + flex, 7 groups of 1,385 tokens; 72.3 GiB
     at the peak, 23.4 GB of it weights, adapters and optimiser state) kept 0.99 of that count besides the LM head's
     three fp32 chunks.
 

@@ -67,7 +67,7 @@ def register() -> str:
 
 def resolve(kind: str, device: torch.device, packed: bool, dtype: torch.dtype) -> str:
     """``learner.attention`` on ``device`` for activations of ``dtype``: ``auto`` = varlen for the packed forward on
-    a GPU in 16 bits (flash-attention's kernel: on the H200 as fast as flex, RESULTS.md §12, and nothing to compile,
+    a GPU in 16 bits (flash-attention's kernel: as fast as flex on the GPU, and nothing to compile,
     so the first update takes half the time), flex there in float32 or on a torch without the kernel, sdpa on the CPU."""
     if kind == "auto":
         if not (packed and device.type == "cuda"):

@@ -12,8 +12,8 @@ output changes.)
 That is the layout of flash-attention's variable-length kernel (``torch.nn.attention.varlen``): it computes
 the scores the rule allows and little beside them, where FlexAttention runs every 128 x 128 block the rule
 touches (a row of the 64 x 8 workload, a 181-token prompt and 8 responses of 150: 324k allowed scores per
-head, 39 blocks = 639k computed). FlexAttention's backward took 11% of the H200 update (``benchmarks/RESULTS.md``
-§11) for about 1% of its FLOPs (the allowed scores against the linears').
+head, 39 blocks = 639k computed). FlexAttention's backward took 11% of the 8B update
+for about 1% of its FLOPs (the allowed scores against the linears').
 
 The queries stay where they are (``[R·L, H, D]``, a view of the projections); only keys and values are
 gathered, each prompt key once per segment that reads it. The gather's backward sums a prompt key's

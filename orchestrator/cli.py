@@ -53,8 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     cc.add_argument("config", help="run config YAML (see deploy/)")
     cc.add_argument("--show", action="store_true", help="also print the config resolved (every field, defaults filled in) as YAML")
     cc.add_argument("--gpu-gib", type=float, metavar="GIB",
-                    help="placement colocated: the memory plan on a GPU of this many GiB (79.2 for an 80 GB H100, 139.8 for "
-                         "an H200), each phase's planned peak; refused in one line where a phase does not fit")
+                    help="placement colocated: the memory plan on a GPU of this many GiB (what CUDA reports: 79.2 for an 80 GB "
+                         "card, 139.8 for a 141 GB one), each phase's planned peak; refused in one line where a phase "
+                         "does not fit")
     _add_overrides(cc, "override a config field, e.g. grpo.steps=10")
 
     dsub = _group(sub, "data", "datasets: the tiny fixture, activations from a corpus, teacher explanations, checks")

@@ -170,7 +170,7 @@ def learner_bytes_per_token(cfg, elem: int) -> int:
 
 def learner_update_bytes(cfg, elem: int, free: int) -> int:
     """The activations of the micro-batch ``learner.micro_batch: auto`` plans in ``free`` bytes (its count, which held
-    to within 6% in the H200 runs of ``learner.memory_plan``); a fixed micro-batch's rows at their longest."""
+    to within 6% in the runs ``learner.memory_plan`` cites); a fixed micro-batch's rows at their longest."""
     from learner.memory_plan import safety, token_budget
 
     per_token = learner_bytes_per_token(cfg, elem)

@@ -8,7 +8,7 @@ Pure functions of the run config and the model's shape, so the sizes can be test
 - CUDA graphs cover the decode batch: vLLM's own capture list stops at ``min(2·max_num_seqs, 512)``,
   so a 1,024-sample decode ran without graphs; here the list goes on in steps of 64 up to
   ``max_num_seqs``.
-- ``max_num_batched_tokens`` holds at least the full decode batch and vLLM's H100/H200 default of 16,384.
+- ``max_num_batched_tokens`` holds at least the full decode batch and vLLM's default of 16,384 on large GPUs.
 - ``gpu_memory_utilization: auto``: colocated, the engine reserves the KV cache one step needs (a group's
   shared prompt blocks once with prefix caching, each sample's own tail and response blocks), +25%,
   and asks for weights + that + a fixed ``ENGINE_OVERHEAD_BYTES`` for activations and graphs; the

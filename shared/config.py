@@ -150,9 +150,8 @@ class RolloutConfig(_Section):
     vector_input: Literal["auto", "prompt_embeds", "multimodal"] = "auto"
     """How a prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1 model
     runner); multimodal, token ids with the marker's injected row (karvonen: its sentinel) as an embeddings-only item
-    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner: 0.82x the rollout of a
-    64 x 8 job on an H200, 0.90x on an H100 (lora merged), k3 unchanged (benchmarks/RESULTS.md §17-18; Qwen3
-    checkpoints). auto: multimodal where it has run on a GPU (the colocated placement, embed mode, a Qwen3
+    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner, the faster of the two at
+    the 64 x 8 batch with the logprobs unchanged (Qwen3 checkpoints). auto: multimodal where it has run on a GPU (the colocated placement, embed mode, a Qwen3
     checkpoint), prompt_embeds elsewhere (rollout.vllm_engine.vector_input)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
@@ -171,9 +170,9 @@ class RolloutConfig(_Section):
     sleep_during_update: Union[Literal["auto"], bool] = "auto"
     """Colocated vLLM only: offload weights and free the KV cache (sleep level 1) while the learner updates, so
     its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere): on
-    above ``SLEEP_PAYS_ABOVE`` samples a step or with more than one engine (benchmarks/RESULTS.md §10), and, with
-    learner.micro_batch auto, also when the micro-batch the learner would plan with the engines awake holds fewer
-    than ``SLEEP_BELOW_GROUPS`` groups' responses, decided once the services are up (``sleep_pays_for_budget``, §15)."""
+    above ``SLEEP_PAYS_ABOVE`` samples a step or with more than one engine, and, with learner.micro_batch auto, also
+    when the micro-batch the learner would plan with the engines awake holds fewer than ``SLEEP_BELOW_GROUPS`` groups'
+    responses, decided once the services are up (``sleep_pays_for_budget``)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -586,19 +585,19 @@ def lora_route(cfg) -> str:
 
 
 COLOCATED_MAX_ENGINES = 4
-"""Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB of an H200's 141."""
+"""Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB, about half of a 141 GB card."""
 
 SLEEP_PAYS_ABOVE = 512
-"""Samples per step above which sleeping a colocated engine through the update pays on one H200 (8B shape): at
-128 x 8 the learner's micro-batch grew from 4,096 to 9,216 tokens and the update fell 8.5 s for 0.8 s of sleep and
-wake-up; at 64 x 8 the estimate is about even."""
+"""Samples per step above which sleeping a colocated engine through the update pays on a 141 GB card (8B shape):
+at 128 x 8 the learner's micro-batch more than doubles and the update saves about ten times the sleep and wake-up's
+cost; at 64 x 8 the two are about even."""
 
 SLEEP_BELOW_GROUPS = 4
 """``sleep_during_update: auto`` with ``learner.micro_batch: auto``: besides where ``sleep_pays`` says so, the engines
 sleep through the update when the micro-batch the learner would plan with them awake holds fewer than this many
-groups' responses. On an H100 (80 GB, 8B shape, RESULTS.md §15) 64 x 8 awake planned the 512-token floor and the update
-took 90.7 s; on an H200 the same batch planned 9,216 tokens awake (six groups, §13), and at 5,632 tokens (four groups)
-sleeping was estimated about even (§10, from the measured rates, not run)."""
+groups' responses. On an 80 GB card (8B shape) 64 x 8 awake plans the 512-token floor, and its update is several times
+slower than asleep; on a 141 GB card the same batch plans six groups awake, and at four groups sleeping is about
+even."""
 
 
 def least_awake_tokens(cfg) -> int:
@@ -623,8 +622,8 @@ def sleep_pays(cfg) -> bool:
 def sleep_pays_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> bool:
     """``rollout.sleep_during_update: auto`` resolved once the services are up. ``awake_tokens``: the micro-batch
     budget the learner would plan now, with the engines awake (None: it plans none); ``kept_tokens``: the budget it
-    already holds (a resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``,
-    measured on an H200), and also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses
+    already holds (a resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``), and
+    also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses
     or less than the kept one."""
     if sleep_pays(cfg) or not sleep_can_pay(cfg) or awake_tokens is None:
         return sleep_pays(cfg)

@@ -123,8 +123,8 @@ def check_quantization_source(model_dir, dtype: str) -> None:
     """``model.quantization: nf4`` with vLLM: vLLM quantises the weights as the checkpoint stores them,
     the learner and the critic quantise them after the cast to ``model.dtype``. When the two differ
     (an F32 checkpoint, bf16 compute) a few percent of the weights fall in the neighbouring NF4 bin and
-    the rollout samples another base (measured on the tiny model on an H200: k3 1.1e-2 against 2e-4 for
-    the bf16 pair; from a bf16 checkpoint the NF4 pair sits at the bf16 floor). Read from the safetensors
+    the rollout samples another base (on the tiny model, k3 about fifty times the bf16 pair's; from a bf16
+    checkpoint the NF4 pair sits at the bf16 floor). Read from the safetensors
     headers only; a checkpoint already saved quantised must be one vLLM and the learner read alike
     (``shared.quantization.prequantized``)."""
     from safetensors import safe_open

@@ -3,9 +3,8 @@
 ``model.quantization: nf4`` is the reference trainer's ``--quant 4bit``: NF4 with double quantisation,
 compute and storage in the model dtype (bfloat16), through bitsandbytes, GPU only. The learner's base,
 the HF rollout backend and the critic's backbone load the bf16 checkpoint with ``hf_quantization``.
-vLLM quantises the same checkpoint in flight with ``vllm_options`` (measured on an H200: against the
-learner's NF4 double-quant base it sits at the bf16 pair's logprob noise floor, mean |Δlogp| 0.047,
-k3 0.0018). With ``rollout.lora: merged`` it instead loads the checkpoint unquantised and sets every
+vLLM quantises the same checkpoint in flight with ``vllm_options``: against the learner's NF4 double-quant
+base it sits at the bf16 pair's logprob noise floor. With ``rollout.lora: merged`` it instead loads the checkpoint unquantised and sets every
 decoder linear to ``nf4_roundtrip`` of its weight: the very bf16 values bitsandbytes multiplies by in the
 learner, into which each push folds the adapter, so decode runs vLLM's bf16 kernels (the engine then
 holds its weights in bf16). Nothing here imports bitsandbytes until a quantised model is built, so the
