@@ -21,9 +21,9 @@ def base_config(model_path: str | Path):
     p = Path(model_path)
     if not (p / "config.json").is_file():
         raise NlaInputError(p, "no model here (expected config.json and weights)")
-    from transformers import AutoConfig
+    from shared.model_facts import hf_config
 
-    return AutoConfig.from_pretrained(str(p))
+    return hf_config(p)
 
 
 def _truncated_config(config, num_layers: int):

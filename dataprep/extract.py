@@ -131,9 +131,11 @@ class Extractor:
 
     def __init__(self, model_dir: Path, layer: int, device: str, dtype):
         import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        config = AutoConfig.from_pretrained(model_dir)
+        from shared.model_facts import hf_config
+
+        config = hf_config(model_dir)
         text = getattr(config, "text_config", None) or config
         text.num_hidden_layers = layer + 1  # nothing after block `layer` is computed
         from transformers.utils import logging as hf_logging

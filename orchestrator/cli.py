@@ -189,6 +189,20 @@ def _config_check(args) -> int:
     from shared.config import dump_config, load_config
 
     cfg = absolute_paths(load_config(args.config, args.set), Path.cwd())
+    elsewhere = _not_on_this_machine(cfg)
+    if elsewhere:  # checked off the node (before `ray job submit`): the schema and the rules, and no more
+        if args.gpu_gib is not None:
+            from shared.errors import NlaInputError
+
+            raise NlaInputError("--gpu-gib", f"the memory plan reads the model's config.json and weight sizes: "
+                                             f"{elsewhere[0]} is not on this machine")
+        ok = (f"ok (schema and cross-field rules): {args.config}: placement {cfg.placement.mode}; not checked, not on this "
+              f"machine: {', '.join(elsewhere)} (the job checks them where it starts)")
+        if args.show:
+            sys.stdout.write(dump_config(cfg) + f"# {ok}\n")
+        else:
+            print(ok)
+        return 0
     job = prepare_job(cfg, log=lambda m: None)
     ok = (f"ok: {args.config}: {cfg.grpo.steps} steps of {cfg.grpo.prompts_per_step} prompts x {cfg.rollout.group_size} "
           f"samples over {len(job.train)} training rows ({len(job.eval)} held out), placement {cfg.placement.mode}")
@@ -208,6 +222,17 @@ def _config_check(args) -> int:
     else:
         print(ok)
     return 0
+
+
+def _not_on_this_machine(cfg) -> list[str]:
+    """``cfg``'s model and data paths as "field path" where this machine has none of them (a laptop before `ray job
+    submit`); [] where it has any: then it is where the job runs, and every check runs (a missing one refused)."""
+    from pathlib import Path
+
+    paths = [(name, path) for name, path in (("model.path", cfg.model.path), ("data.parquet", cfg.data.parquet)) if path]
+    if any(Path(path).exists() for _, path in paths):
+        return []
+    return [f"{name} {path}" for name, path in paths]
 
 
 def _train(args) -> int:

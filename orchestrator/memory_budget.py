@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.colocated_memory import base_bytes, bf16_bytes, checkpoint_config, lora_params
+from shared.model_facts import base_bytes, bf16_bytes, lora_params, text_config
 
 GIB = 1 << 30
 CONTEXT_BYTES = 600 << 20  # a process's CUDA context and kernels (non-torch memory), learner and critic each
@@ -46,14 +46,14 @@ def awake_update_bytes(cfg, elem: int) -> int:
     ro = cfg.rollout
     if ro.sleep_during_update is True or (ro.sleep_during_update == "auto" and sleep_can_pay(cfg)):
         return 0
-    per_token = config_bytes_per_token(checkpoint_config(cfg), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing)
+    per_token = config_bytes_per_token(text_config(cfg.model.path), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing)
     return int(SAFETY * per_token * least_awake_tokens(cfg) / 0.9)
 
 
 def critic_forward_bytes(cfg, elem: int) -> int:
     """The critic's scoring activations: one micro-batch of explanations (critic prompt + response) through one block
     at a time: the residual, the norms, q/k/v and the attention output, the MLP's gate, up and product."""
-    c = checkpoint_config(cfg)
+    c = text_config(cfg.model.path)
     h, i, heads = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"]
     d = c.get("head_dim") or h // heads
     kv = c.get("num_key_value_heads") or heads
@@ -85,22 +85,22 @@ def residents(cfg, elem: int, adapter: tuple[int, list[str]], critic=None) -> Re
     from rollout.vllm_engine import max_lora_rank_for
 
     quantised = cfg.model.quantization != "none"
-    layers = checkpoint_config(cfg)["num_hidden_layers"]
-    base = base_bytes(cfg, elem, quantised)
+    layers = text_config(cfg.model.path)["num_hidden_layers"]
+    base = base_bytes(cfg.model.path, elem, quantised)
     rank, targets = adapter
-    params = lora_params(cfg, rank, targets)
+    params = lora_params(cfg.model.path, rank, targets)
     learner = base + params * (TRAINED_PARAM_BYTES + ADAPTER_PARAM_BYTES) + CONTEXT_BYTES
     blocks = min(critic.num_layers if critic else (cfg.critic.num_layers or layers), layers)
     held = base * blocks / layers + CONTEXT_BYTES
     if cfg.critic.train:
         r = critic.lora_r if critic else (cfg.critic.lora_r or 0)
         if r > 0:
-            held += lora_params(cfg, r, list(critic.target_modules) if critic else list(targets), blocks) * TRAINED_PARAM_BYTES
+            held += lora_params(cfg.model.path, r, list(critic.target_modules) if critic else list(targets), blocks) * TRAINED_PARAM_BYTES
         else:  # fully fine-tuned: a gradient and two moments for every weight of its blocks
-            held += bf16_bytes(cfg) / 2 * blocks / layers * (elem + ADAM_STATE_BYTES)
+            held += bf16_bytes(cfg.model.path) / 2 * blocks / layers * (elem + ADAM_STATE_BYTES)
     engine_lora = 0
     if cfg.rollout.backend == "vllm" and cfg.rollout.lora == "adapter":
-        slots = cfg.rollout.max_loras * lora_params(cfg, max_lora_rank_for(rank), targets)
+        slots = cfg.rollout.max_loras * lora_params(cfg.model.path, max_lora_rank_for(rank), targets)
         engine_lora = (slots + params) * LORA_ENGINE_BYTES  # the slots, and the registered version they load from
     return Residents(int(learner), int(held), int(engine_lora), params * ADAPTER_PARAM_BYTES, params * LORA_ENGINE_BYTES)
 
@@ -116,7 +116,7 @@ def push_bytes(cfg, res: Residents) -> int:
 def largest_weight_bytes(cfg) -> int:
     """The merge's transient for its largest weight (``vllm_compat.merge_adapter_in_worker``): an MLP weight's rows in
     fp32, their delta ``B·A`` and the sum."""
-    c = checkpoint_config(cfg)
+    c = text_config(cfg.model.path)
     return 3 * c["hidden_size"] * c["intermediate_size"] * 4
 
 
@@ -164,7 +164,7 @@ def learner_bytes_per_token(cfg, elem: int) -> int:
     from learner.memory_plan import config_bytes_per_token
 
     fused, attention = _learner_kernels(cfg)
-    return config_bytes_per_token(checkpoint_config(cfg), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing,
+    return config_bytes_per_token(text_config(cfg.model.path), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing,
                                   fused, attention == "varlen")
 
 

@@ -30,12 +30,9 @@ def _tensor_files(model_path: Path) -> dict[str, Path]:
 
 
 def _tied(model_path: Path) -> bool:
-    cfg_file = model_path / "config.json"
-    if not cfg_file.is_file():
-        return False
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    text_cfg = cfg.get("text_config") or {}
-    return bool(cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings", False)))
+    from shared.model_facts import tied_embeddings
+
+    return tied_embeddings(model_path)
 
 
 def embedding_tensor_name(names) -> str | None:
@@ -68,10 +65,11 @@ SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 def embedding_multiplier(model_path) -> float | None:
     """The factor the model's own embedding applies to its rows (Gemma: sqrt(hidden_size)), or None."""
-    cfg_file = Path(model_path) / "config.json"
-    if not cfg_file.is_file():
+    from shared.model_facts import stored_config
+
+    cfg = stored_config(model_path)
+    if not cfg:
         return None
-    cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     text = cfg.get("text_config") or cfg
     if cfg.get("model_type") in SCALED_EMBEDDINGS or text.get("model_type") in SCALED_EMBEDDINGS:
         return float(text.get("hidden_size", cfg.get("hidden_size"))) ** 0.5

@@ -48,10 +48,10 @@ def adapter_shape(cfg) -> tuple[int, list[str]]:
 def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
     """``overrides(architecture, marker_id)`` for the checkpoint's architecture (``config.json``); an
     architecture it refuses is an input error naming that file."""
-    from rollout.colocated_memory import stored_config
+    from shared.model_facts import architectures
 
     path = model_dir(cfg) / "config.json"
-    archs = stored_config(cfg).get("architectures") or ["?"]
+    archs = architectures(model_dir(cfg)) or ["?"]
     try:
         return overrides(archs[0], marker_id)
     except ValueError as exc:
@@ -68,10 +68,10 @@ def vector_input(cfg) -> str:
         return ro.vector_input
     if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
         return "prompt_embeds"
-    from rollout.colocated_memory import stored_config
     from rollout.vllm_marker_input import ARCHITECTURES
+    from shared.model_facts import architectures
 
-    archs = stored_config(cfg).get("architectures") or []
+    archs = architectures(model_dir(cfg))
     return "multimodal" if archs[:1] and archs[0] in ARCHITECTURES else "prompt_embeds"
 
 
@@ -97,10 +97,9 @@ def marker_input_options(cfg, marker_id: int) -> dict:
 def model_shape(cfg, dtype) -> dict:
     """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes (one
     where ``rollout.engine_options`` sets an fp8 ``kv_cache_dtype``)."""
-    import json
+    from shared.model_facts import text_config
 
-    c = json.loads((model_dir(cfg) / "config.json").read_text())
-    c = c.get("text_config", c)
+    c = text_config(model_dir(cfg))
     heads = c["num_attention_heads"]
     kv_dtype = str(cfg.rollout.engine_options.get("kv_cache_dtype", "auto"))  # vLLM's fp8 caches: fp8, fp8_e4m3, fp8_e5m2
     elem = 1 if kv_dtype.startswith("fp8") else 4 if dtype_name(dtype) == "float32" else 2
@@ -111,9 +110,9 @@ def model_shape(cfg, dtype) -> dict:
 def weight_bytes(cfg, dtype=None) -> int:
     """The engine's weights on the GPU, in the run's ``dtype`` (bf16 where None): the base, or about a third of it
     quantised to 4 bits (a merged engine holds the NF4 base dequantised)."""
-    from rollout.colocated_memory import base_bytes
+    from shared.model_facts import base_bytes
 
-    return base_bytes(cfg, 4 if dtype is not None and dtype_name(dtype) == "float32" else 2, vllm_quantizes(cfg))
+    return base_bytes(model_dir(cfg), 4 if dtype is not None and dtype_name(dtype) == "float32" else 2, vllm_quantizes(cfg))
 
 
 def vllm_quantizes(cfg) -> bool:
@@ -125,14 +124,14 @@ def vllm_quantizes(cfg) -> bool:
 def gpu_plan(cfg, dtype, total_bytes: int, resident_bytes: int = 0):
     """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
     the learner and the critic, which hold ``resident_bytes`` there: ``orchestrator.memory_budget``)."""
-    from rollout.colocated_memory import checkpoint_config
     from rollout.engine_plan import plan_engine
+    from shared.model_facts import text_config
 
     ro = cfg.rollout
     colocated = cfg.placement.mode == "colocated"
     # vLLM refuses to start unless its KV cache holds one request of the longest length it admits: the config's
     # max_position_embeddings unless set (a rope scaling that lengthens it is not counted: vLLM then says so itself)
-    longest = ro.engine_options.get("max_model_len") or checkpoint_config(cfg).get("max_position_embeddings") or 0
+    longest = ro.engine_options.get("max_model_len") or text_config(model_dir(cfg)).get("max_position_embeddings") or 0
     return plan_engine(ro, cfg.grpo.prompts_per_step, ro.max_prompt_tokens or 512, model_shape(cfg, dtype),
                        colocated=colocated, weight_bytes=weight_bytes(cfg, dtype), total_bytes=total_bytes,
                        eager=ro.enforce_eager, resident_bytes=resident_bytes if colocated else 0,

@@ -571,14 +571,10 @@ class RunConfig(_Section):
 def lora_route(cfg) -> str:
     """``rollout.lora: auto``: merged where a vLLM engine on a GPU can merge (``merged_needs_one_vllm_engine_per_gpu``;
     not a checkpoint saved quantised, whose bf16 weights the merged engine would need), adapter elsewhere."""
-    import json
+    from shared.model_facts import saved_quantization
 
     r = cfg.rollout
-    stored = Path(str(cfg.model.path)) / "config.json"
-    try:
-        saved_quantised = stored.is_file() and bool(json.loads(stored.read_text()).get("quantization_config"))
-    except (OSError, ValueError, AttributeError):  # config.json itself is checked where the model is first read
-        saved_quantised = False
+    saved_quantised = saved_quantization(cfg.model.path) is not None
     can_merge = (r.backend == "vllm" and cfg.placement.mode != "cpu" and r.tensor_parallel_size == 1
                  and not cfg.weight_sync.registers_from_directory and not saved_quantised)
     return "merged" if can_merge else "adapter"

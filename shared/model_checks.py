@@ -3,7 +3,6 @@ config files and safetensors headers: no weights are loaded)."""
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 from shared.errors import NlaInputError
@@ -21,11 +20,9 @@ def load_tokenizer(model_dir: str | Path):
 
 def model_config_field(model_dir: str | Path, key: str):
     """A field of the model's config.json (top level or its text_config); None when absent."""
-    cfg = Path(model_dir) / "config.json"
-    if not cfg.is_file():
-        return None
-    raw = json.loads(cfg.read_text())
-    return raw.get(key) or (raw.get("text_config") or {}).get(key)
+    from shared.model_facts import field
+
+    return field(model_dir, key)
 
 
 def check_generative(model_dir: str | Path) -> None:
@@ -49,10 +46,12 @@ def _linear_modules(model_dir: str) -> dict[str, tuple[int, int]]:
     """``{module name: (in_features, out_features)}`` of every linear layer of the model, from a model
     built on the meta device (no weights are read); built once per model for all the checks below."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_facts import hf_config
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        model = AutoModelForCausalLM.from_config(hf_config(model_dir))
     return {name: (m.in_features, m.out_features) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 

@@ -17,7 +17,6 @@ packed storage for pre-quantised bitsandbytes checkpoints; transformers reads ei
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 QUANTIZATIONS = ("none", "nf4")
@@ -39,13 +38,10 @@ def prequantized(model_dir, vllm: bool = False) -> dict | None:
     NF4 with double quantisation (or, with ``vllm``, not in a packed storage vLLM reads) is refused."""
     from shared.errors import NlaInputError
 
+    from shared.model_facts import saved_quantization
+
     path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        qc = json.loads(path.read_text()).get("quantization_config")
-    except (ValueError, AttributeError):
-        return None  # config.json itself is checked where the model is first read
+    qc = saved_quantization(model_dir)  # an unreadable config.json is checked where the model is first read
     if not qc:
         return None
     for key, want in PREQUANTIZED_NF4.items():

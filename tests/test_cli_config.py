@@ -81,3 +81,18 @@ def test_training_and_data_check_render_the_same_prompt_table(tiny_dir):
 
     with pytest.raises(NlaInputError, match=r"t: row 2, column 'prompt'"):
         prompt_table([rows], load_tokenizer(tiny_dir / "model"), spec, "", "t")
+
+
+def test_config_check_off_the_node_checks_the_schema_and_rules_and_says_what_it_skipped():
+    """Where neither the model nor the data is on this machine (a laptop before `ray job submit`), every shipped GPU
+    config passes its schema and rules with one line naming what was not checked; a broken rule is still refused."""
+    for name in ("colocated.yaml", "grpo.yaml", "grpo-2gpu.yaml", "grpo-4gpu.yaml"):
+        res = run_cli("config", "check", ROOT / "deploy" / name)
+        assert res.returncode == 0, (name, res.stderr)
+        line, = res.stdout.strip().splitlines()
+        assert line.startswith("ok (schema and cross-field rules): ") and name in line, line
+        assert "not checked, not on this machine: model.path /models/Qwen3-8B" in line, line
+    res = run_cli("config", "check", ROOT / "deploy/grpo.yaml", "--set", "placement.learner_gpus=0")
+    assert _refused(res, "placement.learner_gpus"), res.stderr
+    res = run_cli("config", "check", ROOT / "deploy/colocated.yaml", "--gpu-gib", "80")
+    assert _refused(res, "--gpu-gib: the memory plan reads the model's config.json"), res.stderr

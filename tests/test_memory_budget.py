@@ -11,7 +11,7 @@ from orchestrator.memory_budget import (ADAPTER_PARAM_BYTES, ADAM_STATE_BYTES, C
                                         awake_update_bytes, beside_colocated_engines, colocated_residents,
                                         critic_forward_bytes, largest_weight_bytes, phase_table, plan_colocated,
                                         push_bytes, residents)
-from rollout.colocated_memory import NF4_SHARE, bf16_bytes, lora_params
+from shared.model_facts import NF4_SHARE, bf16_bytes, lora_params
 from shared.config import build_config
 from shared.errors import NlaInputError
 
@@ -66,20 +66,20 @@ def test_the_residents_count_what_each_service_holds(tiny_dir, tmp_path):
         return build_config({"model": {"path": str(path)}, "placement": {"mode": "colocated"}, **sections})
 
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=TARGETS))
-    assert lora_params(cfg(), 4, TARGETS) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert lora_params(path, 4, TARGETS) == sum(p.numel() for p in model.parameters() if p.requires_grad)
     layers, files = c["num_hidden_layers"], sum(f.stat().st_size for f in path.glob("*.safetensors"))
     stored32 = str(c.get("torch_dtype", c.get("dtype"))) == "float32"
-    assert bf16_bytes(cfg()) == (files // 2 if stored32 else files)
+    assert bf16_bytes(path) == (files // 2 if stored32 else files)
     # the same weights stored in the other precision count the same at two bytes each
     other = tmp_path / "other"
     shutil.copytree(path, other)
     (other / "config.json").write_text(json.dumps({**c, "torch_dtype": "bfloat16" if stored32 else "float32"}))
-    assert bf16_bytes(build_config({"model": {"path": str(other)}})) == (files if stored32 else files // 2)
+    assert bf16_bytes(other) == (files if stored32 else files // 2)
     (other / "config.json").write_text(json.dumps({**c, "quantization_config": {"load_in_4bit": True}}))
-    assert bf16_bytes(build_config({"model": {"path": str(other)}})) == int(files / NF4_SHARE)
+    assert bf16_bytes(other) == int(files / NF4_SHARE)
 
-    base, adapter = bf16_bytes(cfg()), (128, TARGETS)
-    params = lora_params(cfg(), 128, TARGETS)
+    base, adapter = bf16_bytes(path), (128, TARGETS)
+    params = lora_params(path, 128, TARGETS)
     learner = base + params * (TRAINED_PARAM_BYTES + ADAPTER_PARAM_BYTES) + CONTEXT_BYTES
     whole = residents(cfg(rollout={"lora": "merged"}), 2, adapter)
     assert whole.learner == pytest.approx(learner, abs=4)
@@ -98,7 +98,7 @@ def test_the_residents_count_what_each_service_holds(tiny_dir, tmp_path):
     lora = meta(num_layers=layers, lora_r=4, target_modules=["q_proj"])
     trained = cfg(critic={"train": True, "checkpoint": "ar"})
     assert residents(trained, 2, adapter, lora).critic == pytest.approx(
-        base + CONTEXT_BYTES + lora_params(cfg(), 4, ["q_proj"]) * TRAINED_PARAM_BYTES, abs=4)
+        base + CONTEXT_BYTES + lora_params(path, 4, ["q_proj"]) * TRAINED_PARAM_BYTES, abs=4)
     full = meta(num_layers=layers, lora_r=0, target_modules=[])
     assert residents(trained, 2, adapter, full).critic == pytest.approx(base + CONTEXT_BYTES + base / 2 * (2 + ADAM_STATE_BYTES), abs=4)
     # engines that cannot sleep through the update leave the learner room for its smallest awake micro-batch
@@ -125,7 +125,7 @@ def test_each_phase_adds_what_it_holds_on_either_route(qwen3_8b):
         cfg = job(qwen3_8b, lora=route)
         res = residents(cfg, 2, (128, TARGETS))
         fp32 = res.adapter_fp32
-        assert fp32 == lora_params(cfg, 128, TARGETS) * 4 > GIB  # 1.3 GiB at rank 128 on the 8B shape
+        assert fp32 == lora_params(qwen3_8b, 128, TARGETS) * 4 > GIB  # 1.3 GiB at rank 128 on the 8B shape
         extra = res.adapter_engine if route == "adapter" else largest_weight_bytes(cfg)
         assert push_bytes(cfg, res) == 2 * fp32 + extra
         engine = 30 * GIB
