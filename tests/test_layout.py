@@ -1,4 +1,4 @@
-"""The README's "piece | where" table names the project's real layout: every place it names exists,
+"""docs/development.md's "piece | where" table names the project's real layout: every place it names exists,
 and every package and top-level module of the installed project appears in it."""
 import re
 
@@ -6,7 +6,7 @@ from conftest import ROOT
 
 
 def _table_places() -> list[str]:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "development.md").read_text(encoding="utf-8")
     table = text[text.index("| piece | where |"):]
     table = table[: table.index("\n\n")]
     return [p for row in table.splitlines()[2:] for p in re.findall(r"`([^`]+)`", row.rsplit("|", 2)[1])]
@@ -60,3 +60,33 @@ def test_every_package_says_what_lives_there():
     packages = sorted(d for d in ROOT.iterdir() if (d / "__init__.py").is_file())
     silent = [d.name for d in packages if not ast.get_docstring(ast.parse((d / "__init__.py").read_text(encoding="utf-8")))]
     assert packages and silent == []
+
+
+def test_the_configuration_reference_is_the_schema():
+    """docs/configuration.md is what ``python -m shared.config_reference`` writes from the schema: every field of every
+    section (the weight_sync variants too), with its default; regenerate it after changing shared/config.py."""
+    from shared import config
+    from shared.config_reference import reference
+
+    page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    assert page == reference(), "docs/configuration.md is stale: python -m shared.config_reference > docs/configuration.md"
+    for section, field in config.RunConfig.model_fields.items():
+        model = field.annotation
+        if isinstance(model, type) and issubclass(model, config.BaseModel):
+            for key, sub in model.model_fields.items():
+                nested = isinstance(sub.annotation, type) and issubclass(sub.annotation, config.BaseModel)
+                assert (f"## `{section}.{key}`" if nested else f"| `{key}` |") in page, f"{section}.{key}"
+    assert "| `max_loras` | int | `1` |" in page and "| `lora` | auto \\| adapter \\| merged | `auto` |" in page
+
+
+def test_the_readme_is_a_first_screen_and_links_to_pages_that_exist():
+    """README.md: what it is, the two commands on its first screen, a tour and links; every relative link (README
+    and docs/) points at a file of the repository."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 150
+    first_screen = "\n".join(readme.splitlines()[:30])
+    assert "bash deploy/demo-cpu.sh" in first_screen and "bash deploy/setup-cpu.sh && .venv/bin/python -m pytest -q tests" in first_screen
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: {target}"
