@@ -42,15 +42,6 @@ def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | Non
     return report(parquet, spec, mdir, train, ev, len(table), out)
 
 
-def check_job_data(cfg, out=sys.stdout) -> dict:
-    """``data check --config``: the data read and checked once, as ``train`` reads it (``prepare_job``: the
-    model, sidecar, tokenizer, rows, split, prompts and every rule of the config about them), then reported."""
-    from orchestrator.job import prepare_job
-
-    job = prepare_job(cfg, log=lambda m: None)
-    return report(cfg.data.parquet, job.spec, cfg.model.path, job.train, job.eval, len(job.prompt_ids), out)
-
-
 def report(parquet, spec, model_dir, train, ev, prompts: int, out=sys.stdout) -> dict:
     """The summary of a checked dataset, printed after its ``ok:`` line."""
     summary = {

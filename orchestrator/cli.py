@@ -171,14 +171,18 @@ def _data_check(args) -> int:
             raise NlaInputError("data check", "--set needs --config")
         check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
         return 0
-    from dataprep.check import check_job_data
-    from orchestrator.job import absolute_paths
+    from dataprep.check import report
+    from orchestrator.job import absolute_paths, prepare_job
     from shared.config import load_config
 
     here = [f"data.parquet={Path(args.parquet).resolve()}"]
     here += [f"data.sidecar={Path(args.sidecar).resolve()}"] if args.sidecar else []
     here += [f"model.path={Path(args.model).resolve()}"] if args.model else []
-    check_job_data(absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd()))
+    cfg = absolute_paths(load_config(args.config, list(args.set) + here), Path.cwd())
+    # the data read and checked once, as `train` reads it (the model, sidecar, tokenizer, rows, split, prompts and
+    # every rule of the config about them), then reported
+    job = prepare_job(cfg, log=lambda m: None)
+    report(cfg.data.parquet, job.spec, cfg.model.path, job.train, job.eval, len(job.prompt_ids))
     return 0
 
 

@@ -32,6 +32,7 @@ IMPORT_BANS = {
     "rollout": {"critic", "learner", "orchestrator"},
     "critic": {"rollout", "learner", "orchestrator"},
     "learner": {"orchestrator"},
+    "dataprep": {"orchestrator", "rollout", "critic", "learner", "sft"},
 }
 
 
