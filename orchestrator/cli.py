@@ -291,7 +291,7 @@ def _train(args) -> int:
 
 
 def _sft(args) -> int:
-    from sft.driver import run_sft
+    from orchestrator.sft_run import run_sft
 
     _stop_on_signals()
     stage = args.sft_cmd

@@ -33,6 +33,7 @@ IMPORT_BANS = {
     "critic": {"rollout", "learner", "orchestrator"},
     "learner": {"orchestrator"},
     "dataprep": {"orchestrator", "rollout", "critic", "learner", "sft"},
+    "sft": {"orchestrator", "dataprep", "evals"},
 }
 
 
