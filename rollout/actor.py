@@ -26,6 +26,16 @@ def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None, resi
     raise ValueError(f"rollout backend: expected one of {BACKENDS}, found {backend!r}")
 
 
+def release_cached_memory() -> None:
+    """Give the memory torch's allocator holds unused in this process back to the device (a colocated GPU's other
+    processes can use it); nothing where this process never used CUDA."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 class RolloutActor:
     """One engine in the actor's process, the RolloutEngine calls as plain methods (Ray has no properties)."""
 
@@ -48,6 +58,7 @@ class RolloutActor:
             self.engine.load_adapter_message(message)  # the engine core's own process opens the handle
         else:
             self.engine.load_adapter(self.receiver.receive(message, self.engine.device))
+        release_cached_memory()  # the received copy is gone now: its memory back to the device, for the learner
         return self.engine.adapter_version
 
     def adapter_version(self) -> int:

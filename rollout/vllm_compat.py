@@ -198,6 +198,7 @@ def register_adapter_in_worker(worker, lora_int_id: int, lora_name: str, lora_pa
         added = bool(manager.add_adapter(LoRARequest(lora_name, lora_int_id, lora_path)))
     finally:
         del manager._load_adapter
+    del tensors  # this function's copy (a forwarded message's); a caller's tensors go when its call returns
     _release_transients(device)
     t3 = time.perf_counter()
     if not added:
