@@ -54,7 +54,7 @@ class RolloutActor:
     def load_adapter(self, message) -> int:
         """Receive a ``shared.weight_sync.AdapterMessage`` and load it; returns the version now in use
         (lets the controller wait on the push)."""
-        if message.kind == "cuda_ipc" and getattr(self.engine, "receives_in_worker", False):
+        if self.receiver.forwardable and getattr(self.engine, "receives_in_worker", False):
             self.engine.load_adapter_message(message)  # the engine core's own process opens the handle
         else:
             self.engine.load_adapter(self.receiver.receive(message, self.engine.device))

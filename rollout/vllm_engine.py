@@ -383,9 +383,10 @@ class VllmEngine(RolloutEngine):
     def load_adapter_message(self, message) -> None:
         """Load a ``cuda_ipc`` ``AdapterMessage`` whose tensors the worker reads from the learner's buffer."""
         from rollout.adapter_registry import ForwardedUpdate, check_version
+        from shared.weight_sync import forwardable
 
-        if message.kind != "cuda_ipc":
-            raise ValueError(f"weight sync: only a cuda_ipc message goes on to the worker, found {message.kind!r}")
+        if not forwardable(message):
+            raise ValueError(f"weight sync: only a handle goes on to the worker (cuda_ipc), found a {message.kind!r} message")
         check_version(message.version, self._version)
         if self.merged:
             from rollout.vllm_compat import forwarded_message, merge_message_in_worker

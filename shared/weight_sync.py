@@ -93,6 +93,7 @@ class WeightReceiver(ABC):
     """An engine's half: a message in, an ``AdapterUpdate`` of tensors on ``device`` out."""
 
     kind = ""
+    forwardable = False  # the message is a handle another process of the engine's GPU can open itself
 
     def __init__(self, settings=None):
         self.settings = settings
@@ -152,6 +153,7 @@ class CudaIpcSender(WeightSender):
 
 class CudaIpcReceiver(WeightReceiver):
     kind = "cuda_ipc"
+    forwardable = True
 
     def _fill(self, message, device):
         rebuild, args = message.payload
@@ -222,6 +224,12 @@ def _variant(settings):
     if kind not in VARIANTS:
         raise ValueError(f"weight_sync.kind: expected one of {', '.join(VARIANTS)}, found {kind!r} (auto resolves when the config is read)")
     return VARIANTS[kind]
+
+
+def forwardable(message: AdapterMessage) -> bool:
+    """Whether ``message`` may go on, as it is, to an engine core in another process on the same GPU, which opens it
+    there (a ``cuda_ipc`` handle), instead of being received here."""
+    return message.kind in VARIANTS and VARIANTS[message.kind][1].forwardable
 
 
 def make_sender(settings, device: str = "cpu") -> WeightSender:

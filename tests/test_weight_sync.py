@@ -200,3 +200,12 @@ def test_ray_carries_the_host_buffer_out_of_band(ray_local):
     assert isinstance(got.payload, np.ndarray) and not got.payload.flags.writeable  # read in place from the store
     out = make_receiver("host").receive(got, "cpu")
     assert all(torch.equal(out.tensors[k], src[k]) for k in src)
+
+
+def test_only_a_handle_goes_on_to_another_process():
+    """Which messages an engine core in its own process may open itself: the cuda_ipc handle, no other variant's."""
+    from shared.weight_sync import AdapterMessage, VARIANTS, forwardable, make_receiver
+
+    assert {kind for kind in VARIANTS if forwardable(AdapterMessage(kind, 1, {}, [], 0))} == {"cuda_ipc"}
+    assert make_receiver("cuda_ipc").forwardable and not make_receiver("host").forwardable
+    assert not forwardable(AdapterMessage("carrier-pigeon", 1, {}, [], 0))
