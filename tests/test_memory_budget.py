@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cli
 from orchestrator.memory_budget import (ADAPTER_PARAM_BYTES, ADAM_STATE_BYTES, CONTEXT_BYTES, ENGINE_ASLEEP_BYTES,
-                                        FREE_MARGIN, GIB, LORA_ENGINE_BYTES, TRAINED_PARAM_BYTES, awake_beside_engines,
+                                        FREE_MARGIN, GIB, LORA_ENGINE_BYTES, PHASES, TRAINED_PARAM_BYTES, awake_beside_engines,
                                         awake_update_bytes, beside_colocated_engines, colocated_residents,
                                         critic_forward_bytes, largest_weight_bytes, phase_table, plan_colocated,
                                         push_bytes, residents)
@@ -130,7 +130,7 @@ def test_each_phase_adds_what_it_holds_on_either_route(qwen3_8b):
         assert push_bytes(cfg, res) == 2 * fp32 + extra
         engine = 30 * GIB
         table = phase_table(cfg, 2, res, engine, H100, sleeps=True, update_bytes=5 * GIB)
-        assert set(table) == {"rollout", "score", "update", "push", "checkpoint"}
+        assert tuple(table) == PHASES
         awake = res.learner + res.critic + engine + res.engine_lora
         assert sum(table["rollout"].values()) == sum(table["checkpoint"].values()) == awake
         assert sum(table["score"].values()) == awake + critic_forward_bytes(cfg, 2)
