@@ -186,7 +186,7 @@ def tightest(table: dict[str, dict[str, int]], total_bytes: int) -> tuple[str, i
 
 
 def refusal(table: dict[str, dict[str, int]], total_bytes: int) -> str | None:
-    """One line where a phase leaves under ``FREE_MARGIN`` free, naming the phase and its two largest items."""
+    """One line where a phase leaves under ``FREE_MARGIN`` free, naming the phase and its three largest items."""
     phase, free = tightest(table, total_bytes)
     if free >= FREE_MARGIN:
         return None

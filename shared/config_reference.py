@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import typing
 
 from pydantic import BaseModel
@@ -30,7 +31,7 @@ def _type_name(annotation) -> str:
         return " \\| ".join(str(a).lower() if isinstance(a, bool) else str(a) for a in args)
     if origin is typing.Annotated:
         return _type_name(args[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         names = [_type_name(a) for a in args if a is not type(None)]
         return " \\| ".join(names) + (" \\| null" if type(None) in args else "")
     if origin in (list, tuple):
