@@ -16,7 +16,7 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 "$py" -c "import torch, vllm; assert torch.cuda.is_available()" 2>/dev/null || { echo "gpu-checks: $py sees no CUDA device or no vLLM"; exit 2; }
 "$py" -m pip install -q --no-deps --no-build-isolation -e . || { echo "gpu-checks: installing the package failed"; exit 2; }
-"$py" -c "from rollout.vllm_plugin import registered; assert registered()" 2>/dev/null \
+"$py" -c "from rollout.vllm.plugin import registered; assert registered()" 2>/dev/null \
   || { echo "gpu-checks: vLLM does not see this package's plugin (entry point vllm.general_plugins) after the install"; exit 2; }
 eval "select=(${PYTEST_ARGS:-})"  # shell words, so a quoted -k expression stays one argument
 for i in $(seq 1 "$runs"); do

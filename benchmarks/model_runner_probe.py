@@ -41,7 +41,7 @@ def main() -> int:
     import torch
 
     import step_benchmark
-    from rollout.vllm_compat import engine_patches
+    from rollout.vllm.patches import engine_patches
 
     batches = [int(b) for b in args.batches.split(",")]
     if args.cpu:

@@ -1,5 +1,5 @@
 """What admitting a rollout's requests costs the host in vLLM's prefix-cache hashing, with and without the
-group's samples sharing their prompt's block keys (``rollout.vllm_compat.shared_prompt_embeds_hashes``).
+group's samples sharing their prompt's block keys (``rollout.vllm.patches.shared_prompt_embeds_hashes``).
 
 vLLM's engine core builds one ``Request`` per sample and hashes each full block of its prompt as it does so
 (prefix caching on): the chained block hash and, for prompt embeddings, the SHA-256 of the block's rows. This
@@ -59,8 +59,8 @@ def engine_admission(batches: list[int], group: int, prompt_len: int, hidden: in
     import torch
 
     import step_benchmark
-    from rollout.vllm_compat import in_process_scheduler
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import in_process_scheduler
+    from rollout.vllm.engine import VllmEngine
     from shared.config import build_config
     from shared.spec import load_spec, sidecar_path
     from vllm.v1.core import kv_cache_utils
@@ -84,7 +84,7 @@ def engine_admission(batches: list[int], group: int, prompt_len: int, hidden: in
     scheduler, llm_engine = in_process_scheduler(engine.llm), engine.llm.llm_engine
     shared = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     if not getattr(shared, "shared_per_tensor", False):
-        raise SystemExit("the engine did not apply vllm_compat.shared_prompt_embeds_hashes")
+        raise SystemExit("the engine did not apply patches.shared_prompt_embeds_hashes")
     first = {}
 
     def stop(*args, **kwargs):
@@ -147,7 +147,7 @@ def main() -> int:
     import vllm
     from vllm.v1.core import kv_cache_utils
 
-    from rollout.vllm_compat import shared_prompt_embeds_hashes
+    from rollout.vllm.patches import shared_prompt_embeds_hashes
 
     own = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     if getattr(own, "shared_per_tensor", False):

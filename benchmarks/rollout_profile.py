@@ -111,7 +111,7 @@ class CallTimers:
     """
 
     def __init__(self, llm):
-        from rollout.vllm_compat import in_process_engine_core
+        from rollout.vllm.handles import in_process_engine_core
 
         core = in_process_engine_core(llm)
         self.seconds, self.calls = {}, {}
@@ -147,7 +147,7 @@ MODES = ("shared", "unshared", "unseeded", "nologprobs", "dictlogprobs", "vllmlo
 
 @contextlib.contextmanager
 def vllm_own_logprobs_loop():
-    """vLLM's own ``_update_sample_logprobs`` for the duration (``vllm_compat.lean_sampled_logprobs`` undone)."""
+    """vLLM's own ``_update_sample_logprobs`` for the duration (``patches.lean_sampled_logprobs`` undone)."""
     from vllm.v1.engine import logprobs as module
 
     cls = module.LogprobsProcessor
@@ -224,7 +224,7 @@ def main() -> int:
                          "nologprobs (shared, no sampled-token logprobs: what they cost the engine's host side), "
                          "dictlogprobs (shared, the logprobs in vLLM's default per-token dicts, not flat lists), "
                          "vllmlogprobs (shared, vLLM's own loop over each logprob entry instead of "
-                         "vllm_compat.lean_sampled_logprobs)")
+                         "patches.lean_sampled_logprobs)")
     ap.add_argument("--lora", choices=["adapter", "merged"], default="adapter", help="rollout.lora of the engine")
     ap.add_argument("--vector-input", choices=["auto", "prompt_embeds", "multimodal"], default="auto",
                     help="rollout.vector_input of the engine (multimodal: vLLM 0.26 may run its V2 model runner; auto: "
@@ -243,8 +243,8 @@ def main() -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    from rollout.vllm_compat import in_process_scheduler, model_runner
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import in_process_scheduler, model_runner
+    from rollout.vllm.engine import VllmEngine
     from shared.config import build_config
     from shared.spec import load_spec, sidecar_path
 

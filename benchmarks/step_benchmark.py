@@ -300,7 +300,7 @@ def main() -> int:
     # in-process engine: the in-memory adapter push then stays inside this process
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if DEVICE == "cpu":
-        from rollout.vllm_compat import prepare_engine_env
+        from rollout.vllm.env import prepare_engine_env
 
         prepare_engine_env(cpu=True)
     import torch
@@ -386,7 +386,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     # ---- nla-grpo step ----
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     t = time.perf_counter()
     eng = VllmEngine(cfg, job.spec, DEVICE)

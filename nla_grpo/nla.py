@@ -1,6 +1,6 @@
 """Read activations with a trained NLA: ``NLA.load(path)``, then ``verbalize``, ``reconstruct``, ``score`` and ``read``.
 
-The verbaliser runs in the rollout engine class training uses (``rollout.vllm_engine.VllmEngine`` on a GPU,
+The verbaliser runs in the rollout engine class training uses (``rollout.vllm.engine.VllmEngine`` on a GPU,
 ``rollout.hf_engine.HfEngine``'s HF ``generate()`` elsewhere), with the run's own prompt, chat template,
 injection, sampling (temperature 1), stops and explanation extraction; the reconstructor is the critic class
 training scores with; activations come from the extraction code (``dataprep.extract.Extractor``) at the NLA's
@@ -108,7 +108,7 @@ class NLA:
             # an engine on its own (placement split): its share is the one set above, not a training step's plan
             cfg = self.cfg.model_copy(update={"rollout": rollout, "placement": self.cfg.placement.model_copy(update={"mode": "split"})})
             if self.backend == "vllm":
-                from rollout.vllm_engine import VllmEngine
+                from rollout.vllm.engine import VllmEngine
 
                 self._engine = VllmEngine(cfg, self.spec, self.device)
             else:

@@ -82,7 +82,7 @@ def residents(cfg, elem: int, adapter: tuple[int, list[str]], critic=None) -> Re
     with its AdamW state and the reference copy, the critic's blocks with what it trains (``critic``: its
     ``critic.scoring.CriticMeta``; unknown, the whole model and the config's rank), the engine's LoRA slots on the
     adapter route, and each process's CUDA context."""
-    from rollout.vllm_engine import max_lora_rank_for
+    from rollout.vllm.engine import max_lora_rank_for
 
     quantised = cfg.model.quantization != "none"
     layers = text_config(cfg.model.path)["num_hidden_layers"]
@@ -114,7 +114,7 @@ def push_bytes(cfg, res: Residents) -> int:
 
 
 def largest_weight_bytes(cfg) -> int:
-    """The merge's transient for its largest weight (``vllm_compat.merge_adapter_in_worker``): an MLP weight's rows in
+    """The merge's transient for its largest weight (``worker_lora.merge_adapter_in_worker``): an MLP weight's rows in
     fp32, their delta ``B·A`` and the sum."""
     c = text_config(cfg.model.path)
     return 3 * c["hidden_size"] * c["intermediate_size"] * 4
@@ -224,7 +224,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     """The memory plan of a colocated vLLM run on a GPU of ``total_bytes``; raises ``NlaInputError`` (one line) where
     the engines' KV cache cannot fit or a phase would leave under ``FREE_MARGIN`` free."""
     from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
-    from rollout.vllm_engine import gpu_plan, weight_bytes
+    from rollout.vllm.engine import gpu_plan, weight_bytes
     from shared.config import sleep_pays_for_budget
     from shared.errors import NlaInputError
     from shared.torch_utils import resolve_dtype
@@ -256,7 +256,7 @@ def colocated_residents(cfg, spec) -> tuple[Residents, int]:
     import torch
 
     from critic.scoring import critic_architecture
-    from rollout.vllm_engine import adapter_shape
+    from rollout.vllm.engine import adapter_shape
     from shared.torch_utils import resolve_dtype
 
     dtype = resolve_dtype(cfg.model.dtype, "cuda")

@@ -16,7 +16,7 @@ def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None, resi
     hold beside a colocated vLLM engine on its GPU."""
     backend = backend or cfg.rollout.backend
     if backend == "vllm":
-        from rollout.vllm_engine import VllmEngine
+        from rollout.vllm.engine import VllmEngine
 
         return VllmEngine(cfg, spec, device, resident_bytes)
     if backend == "hf":

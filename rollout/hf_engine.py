@@ -172,7 +172,7 @@ class HfEngine(RolloutEngine):
         """Build the new version as its own PEFT adapter (new name), activate it, drop the old one."""
         from peft import get_peft_model, set_peft_model_state_dict
 
-        from rollout.adapter_registry import adapter_name, check_update
+        from rollout.vllm.adapter_registry import adapter_name, check_update
 
         check_update(update, self._version)
         name = adapter_name(update.version)

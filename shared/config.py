@@ -77,7 +77,7 @@ class DataConfig(_Section):
 class InjectionConfig(_Section):
     mode: Literal["embed", "karvonen"] = "embed"
     """embed: replace the marker's input embedding by v; karvonen: add ||h||·v/||v|| after a block
-    (with vLLM inside the model's own forward, rollout/vllm_karvonen.py: compiled, CUDA graphs kept)."""
+    (with vLLM inside the model's own forward, rollout/vllm/karvonen.py: compiled, CUDA graphs kept)."""
     scale: Optional[str] = None
     """Override the sidecar's injection_scale: a number, 'sqrt_d_model', 'embed_norm' or 'raw' (needed where the
     sidecar has none, as the official release's have)."""
@@ -150,9 +150,9 @@ class RolloutConfig(_Section):
     vector_input: Literal["auto", "prompt_embeds", "multimodal"] = "auto"
     """How a prompt reaches vLLM: prompt_embeds, the whole prompt as embeddings (vLLM then runs its V1 model
     runner); multimodal, token ids with the marker's injected row (karvonen: its sentinel) as an embeddings-only item
-    (rollout.vllm_marker_input), which leaves vLLM 0.26 free to run its V2 model runner, the faster of the two at
+    (rollout.vllm.marker_input), which leaves vLLM 0.26 free to run its V2 model runner, the faster of the two at
     the 64 x 8 batch with the logprobs unchanged (Qwen3 checkpoints). auto: multimodal where it has run on a GPU (the colocated placement, embed mode, a Qwen3
-    checkpoint), prompt_embeds elsewhere (rollout.vllm_engine.vector_input)."""
+    checkpoint), prompt_embeds elsewhere (rollout.vllm.engine.vector_input)."""
     prefix_caching: bool = True
     """Share a group's prompt KV among its samples (vLLM's prefix cache: it keys each block on its prompt
     embeddings, or with vector_input multimodal on the marker item's hash, so prompts with other vectors never
@@ -327,7 +327,7 @@ class PlacementConfig(_Section):
 # ---- weight sync: how the policy adapter reaches the engines (one variant, chosen by `kind`) ----
 class _SyncVariant(_Section):
     # how an engine registers what this variant sends: from a PEFT directory through vLLM's public API, or in
-    # memory inside its worker (``rollout.adapter_registry``)
+    # memory inside its worker (``rollout.vllm.adapter_registry``)
     registers_from_directory: ClassVar[bool] = False
 
 
@@ -762,8 +762,10 @@ def merged_needs_one_vllm_engine_per_gpu(cfg):
                 "use rollout.lora=adapter")
 
 
-# the largest LoRA rank vLLM's engines take (``rollout.vllm_compat.LORA_RANKS``, checked against the installed vLLM)
-VLLM_MAX_LORA_RANK = 512
+# the max_lora_rank values vLLM's LoRA config accepts (vllm/config/lora.py: MaxLoRARanks; tests/test_vllm_compat.py checks
+# them against the installed vLLM); the rule below and the engine's rank choice both read them
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
 
 
 @_rule

@@ -20,7 +20,7 @@ storage of their own. The controller drives every variant with the same calls
   ``shared.collective.AdapterChannel`` (NCCL GPU to GPU, gloo on the CPU). The sender frees the
   buffer once the broadcast is done.
 - ``file``: as ``host``; the engine then registers the adapter from a PEFT directory
-  (``rollout.adapter_registry.FileRegistry``) instead of in memory.
+  (``rollout.vllm.adapter_registry.FileRegistry``) instead of in memory.
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ class BroadcastReceiver(WeightReceiver):
 VARIANTS = {cls.kind: (cls, rec) for cls, rec in (
     (HostSender, HostReceiver), (CudaIpcSender, CudaIpcReceiver), (BroadcastSender, BroadcastReceiver))}
 # file: the bytes travel as for host; what differs is how the engine registers them (from a PEFT directory,
-# ``rollout.adapter_registry.FileRegistry``), which the config variant declares (``registers_from_directory``)
+# ``rollout.vllm.adapter_registry.FileRegistry``), which the config variant declares (``registers_from_directory``)
 VARIANTS["file"] = VARIANTS["host"]
 
 

@@ -115,7 +115,7 @@ def vectors_of(samples, requests):
 # ---- prefix caching: what the cache gave each request (tests/test_rollout_prefix_cache.py, tests/test_gpu.py) ----
 def cache_hits(engine) -> dict:
     """Request id -> prompt tokens the prefix cache gave it, recorded from the in-process scheduler."""
-    from rollout.vllm_compat import in_process_scheduler
+    from rollout.vllm.handles import in_process_scheduler
 
     manager = in_process_scheduler(engine.llm).kv_cache_manager
     hits, lookup = {}, manager.get_computed_blocks

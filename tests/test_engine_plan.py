@@ -80,7 +80,7 @@ def test_the_kv_element_follows_the_engines_cache_dtype(tiny_dir):
     import json
 
     import torch
-    from rollout.vllm_engine import model_shape
+    from rollout.vllm.engine import model_shape
 
     c = json.loads((tiny_dir / "model" / "config.json").read_text())
 
@@ -153,7 +153,7 @@ def test_the_engine_plan_takes_the_residents_on_a_colocated_gpu(tiny_dir, capsys
     import torch
 
     from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
-    from rollout.vllm_engine import engine_kwargs, gpu_plan, weight_bytes
+    from rollout.vllm.engine import engine_kwargs, gpu_plan, weight_bytes
 
     model = {"path": str(tiny_dir / "model"), "dtype": "bfloat16"}
     cfg = build_config({"model": model, "placement": {"mode": "colocated"}})

@@ -86,8 +86,8 @@ def _release_earlier_engines() -> None:
 def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter", vector_input="prompt_embeds",
                     key=None) -> list[float]:
     from learner.learner import Learner
-    from rollout.vllm_compat import model_runner
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import model_runner
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora, vector_input)
@@ -190,8 +190,8 @@ def test_the_merged_nf4_engine_runs_the_learners_dequantised_base(tiny_bf16_dir)
     pytest.importorskip("vllm")
     bnbf = pytest.importorskip("bitsandbytes.functional")
     from learner.learner import Learner
-    from rollout.vllm_compat import worker_model
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import worker_model
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     cfg = _gpu_config(tiny_bf16_dir, "memory", None, "nf4", "merged")
@@ -449,7 +449,7 @@ def _cache_check(tiny_dir, injection, block: int, vector_input: str = "prompt_em
     """The prefix-cache checks' colocated config (eager, ``block``-token KV blocks), learner and engine, and the
     twin's mean |dlogp| against the learner (the second group of ``twin_batch``)."""
     from learner.learner import Learner
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
     from rollout_support import vectors_of
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
@@ -481,7 +481,7 @@ def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_g
     vllm = pytest.importorskip("vllm")
     from vllm.v1.core import kv_cache_utils
 
-    from rollout.vllm_compat import model_runner
+    from rollout.vllm.handles import model_runner
     from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch
 
     block = 16
@@ -521,7 +521,7 @@ def test_prefix_cache_never_shares_across_vectors_on_the_gpu(tiny_bf16_dir, mode
     cfg, learner, engine, twin_mismatch = _cache_check(tiny_bf16_dir, injection, block)
     try:
         assert engine.prefix_caching
-        # the group's samples take one hash per prompt block (vllm_compat.shared_prompt_embeds_hashes), and the
+        # the group's samples take one hash per prompt block (patches.shared_prompt_embeds_hashes), and the
         # hit pattern below is what vLLM's own keys give
         assert getattr(kv_cache_utils._gen_prompt_embeds_extra_hash_keys, "shared_per_tensor", False)
         # and the sampled tokens' logprobs whose mismatch is measured below came through the lean path
@@ -561,7 +561,7 @@ def test_the_seeded_noise_kernel_computes_the_reference_and_the_engine_samples_w
 
     from vllm.v1.sample.ops import topk_topp_sampler as sampler
 
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     raw = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
@@ -597,7 +597,7 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
     pytest.importorskip("vllm")
     from learner.learner import Learner
     from rollout.actor import RolloutActor
-    from rollout.vllm_compat import engine_in_process
+    from rollout.vllm.handles import engine_in_process
     from rollout_support import vectors_of
     from shared.weight_sync import CudaIpcSender
 

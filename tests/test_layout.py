@@ -92,3 +92,24 @@ def test_the_readme_is_a_first_screen_and_links_to_pages_that_exist():
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: {target}"
+
+
+PRODUCTION = ("shared", "dataprep", "sft", "rollout", "critic", "learner", "orchestrator", "evals", "nla_grpo")
+
+
+def test_vllm_is_imported_only_in_its_folder():
+    """rollout/vllm/ is the one place that knows vLLM: a vLLM upgrade that moves something is fixed there."""
+    outside = [str(f.relative_to(ROOT)) for package in PRODUCTION for f in sorted((ROOT / package).rglob("*.py"))
+               if "vllm" in _imported(f) and f.parent != ROOT / "rollout" / "vllm"]
+    assert outside == []
+
+
+def test_no_module_names_a_weight_sync_variant_outside_weight_sync():
+    """The weight-sync variants are told apart in shared/weight_sync.py and the config's rules; elsewhere code asks
+    the sender or receiver what it can do."""
+    found = [f"{f.relative_to(ROOT)}:{i}" for package in PRODUCTION for f in sorted((ROOT / package).rglob("*.py"))
+             if f.name not in ("weight_sync.py", "config.py", "config_reference.py")
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"""==\s*["'](cuda_ipc|nccl|file|ray_object)["']|["'](cuda_ipc|nccl|file|ray_object)["']\s*==""", line)]
+    assert found == []
+

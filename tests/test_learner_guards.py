@@ -47,7 +47,7 @@ def test_sft_adapter_dropout_never_randomises_the_learner(tiny_dir, tmp_path, ro
 
 
 def test_engine_lora_limits_follow_the_loaded_adapter(tiny_dir, tmp_path):
-    from rollout.vllm_engine import adapter_shape
+    from rollout.vllm.engine import adapter_shape
 
     init = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
     rank, targets = adapter_shape(make_cfg(tiny_dir, "embed", adapter_init=str(init)))

@@ -26,7 +26,7 @@ def test_vllm_logprobs_equal_the_learners(tiny_dir, transport):
     pytest.importorskip("vllm")
     from learner.grpo import group_advantages
     from learner.learner import Learner
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
     from shared.types import PromptRequest
 
     cfg, spec = _cfg(tiny_dir, transport), load_tiny_spec(tiny_dir)

@@ -62,7 +62,7 @@ def _cfg(family_dir):
 def test_vllm_rollout_matches_the_learner_outside_qwen(family_dir):
     pytest.importorskip("vllm")
     from learner.learner import Learner
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
     from shared.types import PromptRequest
     from test_learner_support import load_tiny_spec, prompts_and_vectors
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
 from shared.spec import load_spec, sidecar_path
 from rollout.hf_engine import HfEngine
-from rollout.vllm_compat import engine_in_process
-from rollout.vllm_engine import VllmEngine
+from rollout.vllm.handles import engine_in_process
+from rollout.vllm.engine import VllmEngine
 
 tiny = Path(sys.argv[1])
 spec = load_spec(sidecar_path(tiny / "rl.parquet"))
@@ -61,7 +61,7 @@ def test_an_engine_core_in_its_own_process_samples_what_the_learner_computes(tin
 
 
 def test_own_process_overrides_an_in_process_default_but_defaults_do_not(monkeypatch):
-    from rollout.vllm_compat import prepare_engine_env
+    from rollout.vllm.env import prepare_engine_env
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # an earlier engine of this process
     prepare_engine_env(cpu=True, in_process=False, ship_callables=True, own_process=True)

@@ -105,7 +105,7 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rollout_support import random_adapter_update
-    from rollout.adapter_registry import ADAPTER_CONFIG, write_adapter_dir
+    from rollout.vllm.adapter_registry import ADAPTER_CONFIG, write_adapter_dir
     from shared.fileio import jsonable
 
     update = random_adapter_update(tiny_dir / "model", 1, seed=0, r=8, alpha=16, target_modules=["q_proj", "down_proj"])
@@ -127,7 +127,7 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
     import json
     import shutil
 
-    from rollout.vllm_engine import engine_kwargs, max_lora_rank_for
+    from rollout.vllm.engine import engine_kwargs, max_lora_rank_for
     from shared.config import build_config
 
     assert [max_lora_rank_for(r) for r in (1, 2, 8, 9, 128, 200)] == [1, 8, 8, 16, 128, 256]
@@ -188,7 +188,7 @@ def test_auto_vector_input_takes_the_multimodal_route_only_where_it_has_run_on_a
     import json
     import shutil
 
-    from rollout.vllm_engine import vector_input
+    from rollout.vllm.engine import vector_input
     from shared.config import build_config
 
     model = {"path": str(tiny_dir / "model")}

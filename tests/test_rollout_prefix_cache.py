@@ -17,7 +17,7 @@ BLOCK = 32  # the CPU attention backend's smallest block; the tiny prompts (43 t
 @pytest.fixture(scope="module", params=["embed", "karvonen", "multimodal", "karvonen-multimodal"])
 def engines(request, tiny_dir):
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param.startswith("karvonen") else None
@@ -67,7 +67,7 @@ def test_a_cache_keyed_on_token_ids_alone_is_caught(engines, tiny_dir, monkeypat
 
 
 def test_the_lean_logprobs_path_changes_no_token_and_no_logprob(engines, tiny_dir, monkeypatch):
-    """The engine's lean sampled-logprobs path (``vllm_compat.lean_sampled_logprobs``) is in place, and vLLM's own
+    """The engine's lean sampled-logprobs path (``patches.lean_sampled_logprobs``) is in place, and vLLM's own
     gives the same tokens and the same logprobs, bit for bit, in a real engine."""
     from vllm.v1.engine.logprobs import LogprobsProcessor
 
@@ -84,7 +84,7 @@ def test_the_lean_logprobs_path_changes_no_token_and_no_logprob(engines, tiny_di
 
 def test_a_groups_samples_hash_their_shared_prompt_once(engines, tiny_dir, monkeypatch):
     """vLLM fans a request out into its samples, one prompt-embeddings tensor among them, and hashes every
-    full block of it per sample; the engine's patch (``vllm_compat.shared_prompt_embeds_hashes``) hashes each
+    full block of it per sample; the engine's patch (``patches.shared_prompt_embeds_hashes``) hashes each
     block once per tensor. Counted at vLLM's SHA-256, against vLLM's own function in the same engine."""
     import hashlib
     import types

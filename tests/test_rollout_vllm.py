@@ -23,7 +23,7 @@ def cfg(tiny_dir):
 
 @pytest.fixture(scope="module")
 def engine(cfg, spec):
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     eng = VllmEngine(cfg, spec)
     yield eng
@@ -60,7 +60,7 @@ def test_groups_layout_and_fixed_seed(engine, requests):
 
 
 def test_flat_logprobs_give_the_per_token_ones(engine, requests, monkeypatch):
-    """vLLM keeps the sampled logprobs in flat lists (``vllm_compat.flat_logprobs_option``): the samples equal
+    """vLLM keeps the sampled logprobs in flat lists (``patches.flat_logprobs_option``): the samples equal
     those of the default per-token dicts, to the bit."""
     assert engine._flat == {"flat_logprobs": True}
     reqs = requests[3:6]

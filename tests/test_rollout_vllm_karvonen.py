@@ -15,7 +15,7 @@ PARITY_ATOL = 1e-4
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     # block 0: the tiny model has two blocks, and a push after the last reaches only the marker's own logits
@@ -58,8 +58,8 @@ def test_compiled_karvonen_under_chunked_prefill_and_prefix_caching(tiny_dir):
     import dataclasses
 
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_compat import in_process_scheduler, worker_model
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import in_process_scheduler, worker_model
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     chunk = 8

@@ -14,7 +14,7 @@ PARITY_ATOL = 1e-4
 def test_merged_rollout_matches_the_adapter_push_after_push(tiny_dir, mode):
     pytest.importorskip("vllm")
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
@@ -63,7 +63,7 @@ def test_merged_is_refused_where_it_cannot_merge(change, why):
 def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir):
     """rollout.lora=merged with model.quantization nf4: vLLM is asked for no quantisation and planned with
     the weights in bf16; the engine sets its linears to the learner's NF4 base itself (GPU test)."""
-    from rollout.vllm_engine import engine_kwargs, weight_bytes
+    from rollout.vllm.engine import engine_kwargs, weight_bytes
     from shared.config import build_config
 
     raw = {"model": {"path": str(tiny_dir / "model"), "dtype": "bfloat16", "quantization": "nf4"},
@@ -102,7 +102,7 @@ def test_a_fused_weight_is_rounded_part_by_part():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_engine_base_rounded_module_by_module_matches_hf_with_the_same_weights(tiny_dir, tmp_path):
-    """``vllm_compat.nf4_base_in_worker`` on a CPU engine, with ``coarse_roundtrip`` for bitsandbytes' NF4
+    """``worker_lora.nf4_base_in_worker`` on a CPU engine, with ``coarse_roundtrip`` for bitsandbytes' NF4
     (CUDA only): every linear is rounded as the learner's separate modules are (q, k, v; gate, up on their
     own), the LM head and embeddings are not, and an adapter merged later folds into the rounded base. The
     rollout matches an HF model whose q/k/v/o/gate/up/down weights were rounded one by one (fp32, 1e-4)."""
@@ -113,8 +113,9 @@ def test_the_engine_base_rounded_module_by_module_matches_hf_with_the_same_weigh
     from transformers import AutoModelForCausalLM
 
     from rollout.hf_engine import HfEngine
-    from rollout.vllm_compat import linear_parts, nf4_base_in_worker, worker_model
-    from rollout.vllm_engine import VllmEngine
+    from rollout.vllm.handles import worker_model
+    from rollout.vllm.worker_lora import linear_parts, nf4_base_in_worker
+    from rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = tiny_config(tiny_dir, None, group_size=4, max_new_tokens=16, lora="merged")

@@ -32,7 +32,7 @@ def test_transformers_generates(tiny_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vllm_generates(tiny_dir):
-    from rollout.vllm_compat import prepare_engine_env
+    from rollout.vllm.env import prepare_engine_env
 
     prepare_engine_env(cpu=True)
     vllm = pytest.importorskip("vllm")

@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from rollout.vllm_karvonen import SENTINEL_NORM, _forward, find_sites, hf_overrides, mark_site, sentinel_row
+from rollout.vllm.karvonen import SENTINEL_NORM, _forward, find_sites, hf_overrides, mark_site, sentinel_row
 from shared.injection import karvonen_delta
 
 
@@ -81,10 +81,10 @@ def test_the_plugin_is_installed_and_never_raises(monkeypatch, caplog):
     pytest.importorskip("vllm")
     import sys
 
-    from rollout.vllm_plugin import register, registered
+    from rollout.vllm.plugin import register, registered
 
     assert registered()  # the package's entry point is what vLLM loads in each of its processes
-    monkeypatch.setitem(sys.modules, "rollout.vllm_karvonen", None)  # importing it now fails
+    monkeypatch.setitem(sys.modules, "rollout.vllm.karvonen", None)  # importing it now fails
     with caplog.at_level("WARNING"):
         register()  # an error here would stop every vLLM engine in the environment
     assert "karvonen and marker-input model classes are not registered (ModuleNotFoundError" in caplog.text

@@ -10,7 +10,7 @@ import torch
 
 from learner.actor import LearnerActor
 from rollout.actor import RolloutActor
-from rollout.adapter_registry import check_update
+from rollout.vllm.adapter_registry import check_update
 from shared.config import BroadcastSync, CudaIpcSync, FileSync, HostSync
 from shared.types import AdapterUpdate
 from shared.weight_sync import make_receiver, make_sender

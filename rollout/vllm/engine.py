@@ -4,8 +4,8 @@ The actor reads only ``embed_tokens`` from the checkpoint and builds each prompt
 ``shared.injection.embed_prompt`` (the learner uses the same function), so in ``embed`` mode the
 marker row holds the rescaled activation. In ``karvonen`` mode the marker row holds a sentinel carrying
 the vector, which the injecting model class turns into the block-L add inside vLLM's compiled forward
-(``rollout.vllm_karvonen``). With ``rollout.vector_input: multimodal`` the prompt goes as token ids and only
-that marker row as an embeddings-only item (``rollout.vllm_marker_input``). Sampling is the
+(``rollout.vllm.karvonen``). With ``rollout.vector_input: multimodal`` the prompt goes as token ids and only
+that marker row as an embeddings-only item (``rollout.vllm.marker_input``). Sampling is the
 contract's: T = 1, no top-p/top-k/repetition penalty, sampled-token logprobs, stop on every stop id,
 a token cap.
 """
@@ -16,7 +16,8 @@ import os
 import uuid
 
 from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
-from rollout.vllm_compat import LORA_RANKS, sampled_logprobs
+from rollout.vllm.patches import sampled_logprobs
+from shared.config import VLLM_LORA_RANKS as LORA_RANKS
 from shared.errors import NlaInputError
 from shared.types import AdapterUpdate, PromptRequest, Sample
 
@@ -68,7 +69,7 @@ def vector_input(cfg) -> str:
         return ro.vector_input
     if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
         return "prompt_embeds"
-    from rollout.vllm_marker_input import ARCHITECTURES
+    from rollout.vllm.marker_input import ARCHITECTURES
     from shared.model_facts import architectures
 
     archs = architectures(model_dir(cfg))
@@ -77,7 +78,7 @@ def vector_input(cfg) -> str:
 
 def karvonen_overrides(cfg, marker_id: int) -> dict:
     """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
-    from rollout.vllm_karvonen import hf_overrides
+    from rollout.vllm.karvonen import hf_overrides
 
     return checkpoint_overrides(cfg, lambda arch, marker: hf_overrides(arch, cfg.injection.karvonen_layer, marker),
                                 marker_id)
@@ -85,8 +86,8 @@ def karvonen_overrides(cfg, marker_id: int) -> dict:
 
 def marker_input_options(cfg, marker_id: int) -> dict:
     """``rollout.vector_input: multimodal``: the engine options and ``hf_overrides`` of the class that reads the
-    marker's row as a multimodal item (``rollout.vllm_marker_input``)."""
-    from rollout import vllm_marker_input as marker
+    marker's row as a multimodal item (``rollout.vllm.marker_input``)."""
+    from rollout.vllm import marker_input as marker
 
     layer = cfg.injection.karvonen_layer if cfg.injection.mode == "karvonen" else None
     return {**marker.engine_options(),
@@ -117,7 +118,7 @@ def weight_bytes(cfg, dtype=None) -> int:
 
 def vllm_quantizes(cfg) -> bool:
     """Whether vLLM runs the base quantised: NF4, except on the merged route, where the engine runs the
-    learner's NF4 base dequantised (``vllm_compat.nf4_base_in_worker``)."""
+    learner's NF4 base dequantised (``worker_lora.nf4_base_in_worker``)."""
     return cfg.model.quantization != "none" and cfg.rollout.lora != "merged"
 
 
@@ -143,7 +144,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
     """``vllm.LLM`` keyword arguments from the run config (``marker_id``: the marker token, for the karvonen and
     marker-input classes; ``total_bytes``: the GPU's memory, and ``resident_bytes`` what the learner and critic hold
     beside a colocated engine, for the plan; ``route``: ``vector_input(cfg)`` when the caller has it already)."""
-    from rollout.vllm_compat import prefix_cache_keys_embeds
+    from rollout.vllm.patches import prefix_cache_keys_embeds
 
     ro = cfg.rollout
     rank, targets = adapter_shape(cfg)
@@ -151,7 +152,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         model=str(model_dir(cfg)), dtype=dtype_name(dtype), seed=cfg.seed,
         enable_prompt_embeds=True,
         # the group's samples share their prompt's KV; vLLM keys blocks on the prompt embeddings, which
-        # carry the vector (see vllm_compat.prefix_cache_keys_embeds), so other vectors never share
+        # carry the vector (see patches.prefix_cache_keys_embeds), so other vectors never share
         enable_prefix_caching=bool(ro.prefix_caching and prefix_cache_keys_embeds()),
     )
     if os.environ.get("TQDM_DISABLE") == "1":  # the quiet start (shared.ray_cluster.QUIET_ENV): vLLM's own load bar too
@@ -206,7 +207,7 @@ class VllmEngine(RolloutEngine):
     ``gpu_memory_utilization: auto`` leaves them."""
 
     def __init__(self, cfg, spec, device: str = "cpu", resident_bytes: int = 0):
-        from rollout.vllm_compat import prepare_engine_env
+        from rollout.vllm.env import prepare_engine_env
 
         cpu = not str(device).startswith("cuda")
         self.karvonen = cfg.injection.mode == "karvonen"
@@ -219,7 +220,7 @@ class VllmEngine(RolloutEngine):
                            ship_callables=in_worker, own_process=own)
         import vllm
 
-        from rollout.vllm_compat import eager_logprob_ranks, engine_patches
+        from rollout.vllm.patches import eager_logprob_ranks, engine_patches
 
         engine_patches()  # for an engine core in this process; the plugin applies them in vLLM's own
         if cpu:
@@ -227,7 +228,7 @@ class VllmEngine(RolloutEngine):
         from transformers import AutoTokenizer
 
         from rollout.embeddings import embedding_multiplier, load_embed_tokens
-        from rollout.adapter_registry import make_registry
+        from rollout.vllm.adapter_registry import make_registry
         from shared.injection import embed_norm
         from shared.torch_utils import resolve_dtype
 
@@ -243,7 +244,7 @@ class VllmEngine(RolloutEngine):
                       if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
-        from rollout.vllm_compat import flat_logprobs_option
+        from rollout.vllm.patches import flat_logprobs_option
 
         self._flat = flat_logprobs_option(vllm.SamplingParams)
         total = None
@@ -255,7 +256,7 @@ class VllmEngine(RolloutEngine):
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes, self.vector_input)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or self.vector_input == "multimodal":
-            from rollout.vllm_plugin import registered
+            from rollout.vllm.plugin import registered
 
             if not registered():
                 field = "injection.mode" if self.karvonen else "rollout.vector_input"
@@ -264,11 +265,11 @@ class VllmEngine(RolloutEngine):
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
         self.merged = cfg.rollout.lora == "merged"
         if not cpu:
-            from rollout.vllm_compat import allow_graph_capture
+            from rollout.vllm.patches import allow_graph_capture
 
             allow_graph_capture()  # an earlier V1-runner engine of this process may have left it off
         if self.merged and cpu:
-            from rollout.vllm_compat import cpu_linears_keep_weights
+            from rollout.vllm.env import cpu_linears_keep_weights
 
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
@@ -276,11 +277,11 @@ class VllmEngine(RolloutEngine):
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":
-            from rollout.vllm_compat import nf4_base_in_worker
+            from rollout.vllm.worker_lora import nf4_base_in_worker
 
             self.nf4_base = self.llm.collective_rpc(nf4_base_in_worker)[0]
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
-        # merged: the adapter goes into the engine's own weights (vllm_compat.merge_adapter_in_worker)
+        # merged: the adapter goes into the engine's own weights (worker_lora.merge_adapter_in_worker)
         self.registry = None if self.merged else make_registry(cfg.weight_sync, self.llm, keep=cfg.rollout.max_loras)
         self.last_push: dict = {}
         self._lora_request = None
@@ -301,7 +302,7 @@ class VllmEngine(RolloutEngine):
         if not self.karvonen:
             return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale,
                                 self.embed_multiplier)
-        from rollout.vllm_karvonen import mark_site
+        from rollout.vllm.karvonen import mark_site
 
         plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale, self.embed_multiplier)
         return mark_site(plain, req.site, vector) if inject else plain
@@ -311,7 +312,7 @@ class VllmEngine(RolloutEngine):
         with the marker's injected row as an item, the row the embeddings would carry there."""
         if self.vector_input != "multimodal":
             return {"prompt_embeds": self.prompt_embeds(req, inject)}
-        from rollout.vllm_marker_input import marker_item
+        from rollout.vllm.marker_input import marker_item
         from shared.injection import embed_prompt
 
         check_request(req, self.spec)
@@ -320,7 +321,7 @@ class VllmEngine(RolloutEngine):
             return prompt
         vector = request_vector(req, self.spec.d_model)
         if self.karvonen:  # the sentinel that carries the vector, as the prompt embeddings would at the marker
-            from rollout.vllm_karvonen import sentinel_row
+            from rollout.vllm.karvonen import sentinel_row
 
             row = sentinel_row(vector).to(self.embed_weight.dtype)
         else:  # the marker's row alone: embed_prompt over that one token, with the vector in its place
@@ -360,11 +361,11 @@ class VllmEngine(RolloutEngine):
         return samples
 
     def load_adapter(self, update: AdapterUpdate) -> None:
-        from rollout.adapter_registry import check_update
+        from rollout.vllm.adapter_registry import check_update
 
         check_update(update, self._version)
         if self.merged:
-            from rollout.vllm_compat import merge_adapter_in_worker
+            from rollout.vllm.worker_lora import merge_adapter_in_worker
 
             tensors, config = update.tensors, update.peft_config
             self.last_push = self.llm.collective_rpc(lambda w: merge_adapter_in_worker(w, tensors, config))[0]
@@ -376,20 +377,20 @@ class VllmEngine(RolloutEngine):
     def receives_in_worker(self) -> bool:
         """Whether a ``cuda_ipc`` push should go on to the worker as its handle (``load_adapter_message``):
         an engine core in its own process on one GPU, which would otherwise get the tensors serialised."""
-        from rollout.vllm_compat import engine_in_process
+        from rollout.vllm.handles import engine_in_process
 
         return self.device == "cuda" and self.cfg.rollout.tensor_parallel_size == 1 and not engine_in_process(self.llm)
 
     def load_adapter_message(self, message) -> None:
         """Load a ``cuda_ipc`` ``AdapterMessage`` whose tensors the worker reads from the learner's buffer."""
-        from rollout.adapter_registry import ForwardedUpdate, check_version
+        from rollout.vllm.adapter_registry import ForwardedUpdate, check_version
         from shared.weight_sync import forwardable
 
         if not forwardable(message):
             raise ValueError(f"weight sync: only a handle goes on to the worker (cuda_ipc), found a {message.kind!r} message")
         check_version(message.version, self._version)
         if self.merged:
-            from rollout.vllm_compat import forwarded_message, merge_message_in_worker
+            from rollout.vllm.worker_lora import forwarded_message, merge_message_in_worker
 
             self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(forwarded_message(message),))[0]
         else:
@@ -398,7 +399,7 @@ class VllmEngine(RolloutEngine):
 
     def describe(self) -> str:
         """vLLM's version, its model runner, how the vector reaches it and the KV cache and batch it was planned."""
-        from rollout.vllm_compat import async_scheduling, model_runner
+        from rollout.vllm.handles import async_scheduling, model_runner
 
         kw, gib = self.plan_kwargs, 1 << 30
         vector = ("the marker's row as a multimodal item" if self.vector_input == "multimodal"
@@ -424,7 +425,7 @@ class VllmEngine(RolloutEngine):
             self.registry.close()
             self.registry = None
         if llm is not None:
-            from rollout.vllm_compat import shutdown_engine_core
+            from rollout.vllm.handles import shutdown_engine_core
 
             shutdown_engine_core(llm)
             del llm

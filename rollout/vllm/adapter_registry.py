@@ -2,7 +2,7 @@
 it, learner to engine actor, are ``shared.weight_sync``). Two ways:
 
 - in memory (every ``weight_sync`` kind but ``file``): the tensors go through ``LLM.collective_rpc``
-  and are registered inside the worker (``rollout.vllm_compat``; ms instead of seconds at scale);
+  and are registered inside the worker (``rollout.vllm.worker_lora``; ms instead of seconds at scale);
 - ``file``: a PEFT adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``) in a
   node-local directory, loaded by vLLM's public ``add_lora`` (public API only; the fallback).
 
@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.vllm_compat import engine_in_process
+from rollout.vllm.handles import engine_in_process
 from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from shared.fileio import jsonable, write_json
 from shared.types import AdapterUpdate
@@ -98,7 +98,7 @@ class AdapterRegistry(ABC):
     def _register(self, update: AdapterUpdate): ...
 
     def _retire(self, version: int) -> None:
-        from rollout.vllm_compat import engine_remove_lora
+        from rollout.vllm.handles import engine_remove_lora
 
         engine_remove_lora(self.llm, version)
         shutil.rmtree(self.root / adapter_name(version), ignore_errors=True)
@@ -117,7 +117,7 @@ class FileRegistry(AdapterRegistry):
     def _register(self, update: AdapterUpdate):
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm_compat import engine_add_lora
+        from rollout.vllm.handles import engine_add_lora
 
         path = write_adapter_dir(update, self.root / adapter_name(update.version))
         request = LoRARequest(adapter_name(update.version), update.version, str(path))
@@ -142,7 +142,7 @@ class MemoryRegistry(AdapterRegistry):
         from safetensors.torch import save
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm_compat import register_adapter_in_worker
+        from rollout.vllm.worker_lora import register_adapter_in_worker
 
         # the request needs a path, never read (the id is already registered); an empty dir keeps
         # any path validation on the way happy
@@ -151,7 +151,7 @@ class MemoryRegistry(AdapterRegistry):
         # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots); a
         # forwarded message goes pickled (the worker opens it)
         if isinstance(update, ForwardedUpdate):
-            from rollout.vllm_compat import forwarded_message
+            from rollout.vllm.worker_lora import forwarded_message
 
             payload = forwarded_message(update.message)
         else:

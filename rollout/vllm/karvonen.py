@@ -1,14 +1,14 @@
 """``karvonen`` injection inside vLLM's own forward: ``h[site] += ||h[site]|| · v/||v||`` after block L.
 
 The injection is a model class of its own (``NlaKarvonen<Arch>``: Qwen3, Qwen2, Llama), registered
-out of tree by the ``vllm.general_plugins`` entry point (``rollout.vllm_plugin``) and chosen per
+out of tree by the ``vllm.general_plugins`` entry point (``rollout.vllm.plugin``) and chosen per
 engine with ``hf_overrides``. Each subclasses the stock vLLM model, so weights, LoRA and tensor
 parallelism work unchanged; only the inner model's ``forward`` differs, and it is what vLLM
 compiles and captures in CUDA graphs.
 
 The per-request vector travels in the request's ``prompt_embeds`` (or, with ``rollout.vector_input:
 multimodal``, as the marker's embeddings-only item, which vLLM merges into the input embeddings the forward
-gets: ``rollout.vllm_marker_input``): the marker row is a *sentinel*,
+gets: ``rollout.vllm.marker_input``): the marker row is a *sentinel*,
 the vector's direction scaled to norm 2^14, far above any token embedding. Inside the forward every
 op is dense, shape-static and free of host syncs (so torch.compile and CUDA graphs keep it):
 
@@ -155,7 +155,7 @@ def _llama():
 
 
 def __getattr__(name: str):
-    """The registry imports ``rollout.vllm_karvonen:NlaKarvonen<Arch>`` by name, in each vLLM process."""
+    """The registry imports ``rollout.vllm.karvonen:NlaKarvonen<Arch>`` by name, in each vLLM process."""
     build = {PREFIX + "Qwen3ForCausalLM": _qwen3, PREFIX + "Qwen2ForCausalLM": _qwen2, PREFIX + "LlamaForCausalLM": _llama}
     if name not in build:
         raise AttributeError(name)

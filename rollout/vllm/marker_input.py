@@ -8,18 +8,18 @@ no raw images allowed). The model class below is the checkpoint's own class that
 marker's input embedding. vLLM hashes an item's bytes into the blocks that hold it, so prompts with the same
 tokens and another vector still never share KV blocks, and a group's samples share their parent's item.
 
-karvonen mode takes the same route: its item is the marker's sentinel row (``rollout.vllm_karvonen``), and the
+karvonen mode takes the same route: its item is the marker's sentinel row (``rollout.vllm.karvonen``), and the
 class is the karvonen class of the checkpoint's architecture with this item input on top, so its forward finds
 the sentinel in the input embeddings as it does in prompt embeddings.
 
-Classes are registered by name through the plugin (``rollout.vllm_plugin``); the first lookup of one builds
+Classes are registered by name through the plugin (``rollout.vllm.plugin``); the first lookup of one builds
 them all and registers their input processor with vLLM.
 """
 from __future__ import annotations
 
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 PREFIX = "NlaMarkerInput"
-KARVONEN = "NlaKarvonen"  # rollout.vllm_karvonen.PREFIX (not imported: this module loads without torch)
+KARVONEN = "NlaKarvonen"  # rollout.vllm.karvonen.PREFIX (not imported: this module loads without torch)
 CLASS_NAMES = tuple(PREFIX + inner + arch for arch in ARCHITECTURES for inner in ("", KARVONEN))
 MODALITY = "image"  # a modality vLLM parses embeddings for; nothing here is an image
 
@@ -117,14 +117,14 @@ def _build():
         MarkerInput.__module__ = __name__
         return MarkerInput
 
-    from rollout import vllm_karvonen
+    from rollout.vllm import karvonen
 
     return {PREFIX + "Qwen3ForCausalLM": text_class(Qwen3ForCausalLM),
-            PREFIX + KARVONEN + "Qwen3ForCausalLM": text_class(getattr(vllm_karvonen, KARVONEN + "Qwen3ForCausalLM"))}
+            PREFIX + KARVONEN + "Qwen3ForCausalLM": text_class(getattr(karvonen, KARVONEN + "Qwen3ForCausalLM"))}
 
 
 def __getattr__(name: str):
-    """vLLM imports ``rollout.vllm_marker_input:<class>`` where it builds or inspects a model: the classes are built
+    """vLLM imports ``rollout.vllm.marker_input:<class>`` where it builds or inspects a model: the classes are built
     (and their processor registered) on first use, once; later lookups find them in the module."""
     if name not in CLASS_NAMES:
         raise AttributeError(name)
