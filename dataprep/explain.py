@@ -498,25 +498,33 @@ def teacher_arguments(teacher: str | None, base_url: str | None, model: str | No
 
 
 def run(args, log=print) -> int:
-    """``nla-grpo data explain``: explain the SFT splits, print the usage and what comes next."""
+    """``nla-grpo data explain`` from its parsed arguments (``add_arguments``)."""
+    return explain_command(args.splits_dir, teacher=args.teacher, base_url=args.base_url, model=args.model, api=args.api,
+                           api_key_env=args.api_key_env, concurrency=args.concurrency, max_rows=args.max_rows,
+                           timeout_s=args.timeout_s, retries=args.retries, max_tokens=args.max_tokens, log=log)
+
+
+def explain_command(splits_dir, *, teacher: str | None = None, base_url: str | None = None, model: str | None = None,
+                    api: str = "openai", api_key_env: str | None = None, concurrency: int = 8, max_rows: int | None = None,
+                    timeout_s: float = 120.0, retries: int = 3, max_tokens: int = 256, log=print) -> int:
+    """Explain the SFT splits in ``splits_dir`` with the teacher at ``base_url`` (or the tiny fixture's rule,
+    ``teacher="fixture"``), then print the usage and what comes next; returns 0."""
     import contextlib
 
-    teacher_arguments(args.teacher, args.base_url, args.model)
+    teacher_arguments(teacher, base_url, model)
     with contextlib.ExitStack() as stack:
-        base_url, model, api = args.base_url, args.model, args.api
-        if args.teacher == "fixture":
+        if teacher == "fixture":
             from dataprep.fixture_teacher import MODEL_NAME, FixtureTeacher
 
             base_url, model, api = stack.enter_context(FixtureTeacher()).url, MODEL_NAME, "openai"
             log(f"[explain] teacher: the tiny fixture's rule (the explanation is the marked token), on {base_url}")
-        explain_splits(args.splits_dir, base_url=base_url, model=model, api=api, api_key_env=args.api_key_env,
-                       concurrency=args.concurrency, max_rows=args.max_rows, timeout_s=args.timeout_s, retries=args.retries,
-                       max_tokens=args.max_tokens, log=log)
-    d = Path(args.splits_dir)
+        explain_splits(splits_dir, base_url=base_url, model=model, api=api, api_key_env=api_key_env,
+                       concurrency=concurrency, max_rows=max_rows, timeout_s=timeout_s, retries=retries,
+                       max_tokens=max_tokens, log=log)
+    d = Path(splits_dir)
     log(f"next: nla-grpo sft av CONFIG.yaml and nla-grpo sft ar CONFIG.yaml with --set data.parquet={d / 'rl.parquet'} "
         f"(each stage reads its {d}/<stage>_sft{OUT_SUFFIX})")
     return 0
-
 
 if __name__ == "__main__":
     _parser = argparse.ArgumentParser(prog="nla-grpo data explain", description="teacher explanations for the SFT splits")

@@ -293,3 +293,15 @@ def learning_summary(rows: list[dict], window: int = 25) -> dict:
     return {"steps": len(rows), "reward_first": mean("reward_mean", first), "reward_last": mean("reward_mean", last),
             "fve_first": mean("fve", first), "fve_last": mean("fve", last),
             "eval_fve": {int(r["step"]): float(r["eval/fve"]) for r in rows if "eval/fve" in r}}
+
+
+def tiny_command(out_dir: str | Path, seed: int = 0, log=print) -> int:
+    """``nla-grpo data tiny``: the fixture into ``out_dir``, which must be new or empty; returns 0."""
+    from shared.errors import NlaInputError
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NlaInputError(out, "exists and is not an empty directory")
+    build_tiny(out, seed=seed)
+    log(f"wrote {out}/model, {out}/rl.parquet and its sidecar (seed {seed})")
+    return 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 
@@ -145,18 +144,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _data_tiny(args) -> int:
-    from pathlib import Path
+    from dataprep.tiny import tiny_command
 
-    from shared.errors import NlaInputError
-
-    out = Path(args.out_dir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise NlaInputError(out, "exists and is not an empty directory")
-    from dataprep.tiny import build_tiny
-
-    build_tiny(out, seed=args.seed)
-    print(f"wrote {out}/model, {out}/rl.parquet and its sidecar (seed {args.seed})")
-    return 0
+    return tiny_command(args.out_dir, seed=args.seed)
 
 
 def _data_check(args) -> int:
@@ -239,178 +229,13 @@ def _not_on_this_machine(cfg) -> list[str]:
     return [f"{name} {path}" for name, path in paths]
 
 
-def _train(args) -> int:
-    from pathlib import Path
-
-    from shared.config import load_config
-    from shared.errors import NlaInputError
-
-    from orchestrator.job import absolute_paths, prepare_job
-    from orchestrator.run_dir import RunDir
-    from shared.ray_cluster import check_durable
-
-    if (args.resume is None) == (args.config is None):
-        raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
-    if args.resume is not None:
-        from orchestrator.job import check_resume_overrides
-
-        if args.run_dir:
-            raise NlaInputError("train", "--resume continues the run in its own directory: --run-dir cannot be combined with it")
-        changed = tuple(check_resume_overrides(list(args.set)))
-        check_durable(args.resume, given=True)
-        run = RunDir.open(args.resume)
-        run.lock()
-        cfg = run.config(list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else []))
-        resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
-        done = int(resume_from.name.removeprefix("step_")) if resume_from is not None else 0
-        if cfg.grpo.steps <= done:
-            raise NlaInputError(run.path, f"already at step {done} (grpo.steps {cfg.grpo.steps}): pass --steps N with "
-                                          f"N > {done} to continue it")
-        job = prepare_job(cfg)
-        _start_judge(job)
-        if resume_from is not None:
-            from orchestrator.job import check_resume
-
-            check_resume(resume_from, job.cfg, job, run.path / "config.yaml", changed)
-        run.save_config(cfg)
-        if resume_from is None:
-            print(f"[resume] {run.path} has no checkpoint yet: starting from step 1", flush=True)
-    else:
-        overrides = list(args.set) + ([f"grpo.steps={args.steps}"] if args.steps is not None else [])
-        cfg = absolute_paths(load_config(args.config, overrides), Path.cwd())
-        run_dir = args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-        check_durable(run_dir, given=args.run_dir is not None)
-        RunDir.check_new(run_dir)
-        job = prepare_job(cfg)
-        _start_judge(job)
-        run = RunDir.create(run_dir, cfg)
-        run.lock()
-        resume_from = None
-    print(f"[run] {run.path}")
-    return _run_services(job, run, resume_from)
-
-
 def _sft(args) -> int:
-    from orchestrator.sft_run import run_sft
+    from orchestrator.sft_run import done_line, run_sft
 
-    _stop_on_signals()
     stage = args.sft_cmd
     last = run_sft(stage, args.config, args.run_dir, args.resume, args.steps, args.set, log=lambda m: print(m, flush=True))
-    key = "eval/nll" if stage == "av" else "eval/fve"
-    use = "learner.adapter_init" if stage == "av" else "critic.checkpoint"
-    print(f"[done] {last['product']}: step {last.get('step', '-')}, {key} {last.get(key, float('nan')):.4f}; "
-          f"use it with {use}={last['product']}")
+    print(done_line(stage, last))
     return 0
-
-
-def _stop_on_signals() -> None:
-    """SIGTERM stops the run as Ctrl-C does (the driver then tears Ray down and prints one line),
-    instead of Ray's default handler (a native stack dump)."""
-    import signal
-
-    from orchestrator.driver import note_signal
-
-    def stop(signum, frame):
-        note_signal(signal.Signals(signum).name)
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-
-
-def _start_judge(job) -> None:
-    """The judge of the enabled evals, asked once before anything starts: down, or refusing the key, is one line."""
-    if job.evals:
-        from evals.judges import Judge
-
-        job.judge = Judge(job.cfg.evals.judge)
-        job.judge.check()
-        print(f"[evals] judge {job.judge.backend}:{job.cfg.evals.judge.model} at {job.judge.base_url} answers", flush=True)
-
-
-def _log_plots(wandb_run, plots: Path) -> None:
-    """The run's PNG plots into its wandb run, as images under ``plots/``."""
-    import wandb
-
-    images = {f"plots/{png.stem}": wandb.Image(str(png)) for png in sorted(plots.glob("*.png"))}
-    if images:
-        wandb_run.log(images)
-
-
-def _run_services(job, run, resume_from) -> int:
-    from orchestrator.driver import train
-    from orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
-    from orchestrator.plot import write_plots
-    from shared.errors import NlaInputError
-
-    cfg = job.cfg
-    wandb_run = None
-    if cfg.logging.wandb != "disabled":
-        import wandb
-
-        wandb_run = wandb.init(project=cfg.logging.wandb_project, mode=cfg.logging.wandb, dir=str(run.path),
-                               config=cfg.model_dump(mode="json"), name=run.path.name)
-    start_ray()
-    try:
-        check_run_dir_visible(run.path)
-    except NlaInputError:
-        if resume_from is None:  # a new run leaves nothing behind
-            import shutil
-
-            shutil.rmtree(run.path, ignore_errors=True)
-        raise
-    print(f"[ray] starting services (placement {cfg.placement.mode}, rollout backend {cfg.rollout.backend})", flush=True)
-    _stop_on_signals()
-    services = None
-    try:
-        _plan_memory(job, run)
-        try:
-            asked = time.time()
-            services = start_services(job.services_config(), job.spec)
-            services.asked_at = asked
-        except BaseException as exc:
-            from orchestrator.driver import startup_error
-
-            raise startup_error(exc) from None
-        last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
-    except BaseException:
-        if resume_from is None and not any(r.get("step", 0) > 0 for r in run.read_metrics()) and not run.list_checkpoints():
-            import shutil
-
-            # a new run that failed before its first step (its step-0 eval aside) leaves nothing behind: the same
-            # command works again
-            shutil.rmtree(run.path, ignore_errors=True)
-        raise
-    finally:
-        stop_services(services)
-        if run.path.is_dir() and run.read_metrics():
-            try:
-                print(f"[plot] {write_plots(run.path)}")
-            except NlaInputError as exc:  # the run's own outcome matters more than its plot
-                print(f"[plot] not written: {exc}")
-        if wandb_run is not None:
-            _log_plots(wandb_run, run.plots)
-            wandb_run.finish()
-    print(f"[done] {run.path}: step {last.get('step', '-')}, reward {last.get('reward_mean', float('nan')):+.3f}, "
-          f"fve {last.get('fve', float('nan')):+.3f}")
-    return 0
-
-
-def _plan_memory(job, run) -> None:
-    """A colocated vLLM run on this node's GPU: the memory plan per phase, printed and kept as ``memory_plan.json`` in
-    the run directory; a job that cannot fit is refused here, before any actor starts."""
-    cfg = job.cfg
-    if cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm":
-        return
-    from orchestrator.memory_budget import gpu_total_bytes, plan_colocated, summary
-    from shared.fileio import write_json
-
-    total = gpu_total_bytes()
-    if total is None:
-        return
-    plan = plan_colocated(job.services_config(), job.spec, total)
-    print(summary(plan.table, total), flush=True)
-    write_json(run.path / "memory_plan.json", plan.as_json())
 
 
 def _resume_hint(args, run_path) -> str:
@@ -447,10 +272,11 @@ def _resume_hint(args, run_path) -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    from orchestrator.driver import stop_on_signals
     from shared.errors import NlaInputError
 
     try:
-        _stop_on_signals()  # SIGTERM ends every command as Ctrl-C does: one line and 143, never a silent kill
+        stop_on_signals()  # SIGTERM ends every command as Ctrl-C does: one line and 143, never a silent kill
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
         if args.cmd == "data" and args.data_cmd == "extract":
@@ -471,7 +297,9 @@ def main(argv=None) -> int:
         if args.cmd == "data" and args.data_cmd == "check":
             return _data_check(args)
         if args.cmd == "train":
-            return _train(args)
+            from orchestrator.rl_run import run_rl
+
+            return run_rl(args.config, args.run_dir, args.resume, args.steps, args.set)
         if args.cmd == "sft":
             return _sft(args)
         if args.cmd == "config" and args.config_cmd == "check":

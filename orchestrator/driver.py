@@ -423,3 +423,16 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     except BaseException as exc:
         raise _step_error(exc, step + 1, phase, services) from None
     return last
+
+
+def stop_on_signals() -> None:
+    """SIGTERM stops the run as Ctrl-C does (the driver then tears Ray down and prints one line),
+    instead of Ray's default handler (a native stack dump)."""
+    import signal
+
+    def stop(signum, frame):
+        note_signal(signal.Signals(signum).name)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)

@@ -120,14 +120,13 @@ def load_pipeline(path: str | Path, overrides: list[str]) -> tuple[PipelineConfi
     return cfg, p.resolve().parent
 
 
-def _stage(name: str, argv: list[str]) -> None:
-    """Run one stage as its command; a failure ends the pipeline with that command's exit code."""
-    from orchestrator.cli import main
+def _log(message: str) -> None:
+    print(message, flush=True)
 
-    print(f"[pipeline] {name}: nla-grpo {' '.join(argv)}", flush=True)
-    rc = main(argv)
-    if rc != 0:
-        raise SystemExit(rc)
+
+def _announce(name: str, what: str) -> None:
+    """The stage about to run, as ``[pipeline] NAME: WHAT``; a stage's failure raises and ends the pipeline there."""
+    _log(f"[pipeline] {name}: {what}")
 
 
 def _split_problem(parquet: Path, model: str) -> str | None:
@@ -288,7 +287,10 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] tiny fixture: {tiny} is there, skipped", flush=True)
             records.done("tiny", READS["tiny"], ran=False)
         else:
-            _stage("tiny fixture", ["data", "tiny", str(tiny), "--seed", str(cfg.seed)])
+            from dataprep.tiny import tiny_command
+
+            _announce("tiny fixture", f"the tiny subject model and corpus into {tiny} (seed {cfg.seed})")
+            tiny_command(tiny, seed=cfg.seed, log=_log)
             records.done("tiny", READS["tiny"], ran=True)
         model, corpus = str(tiny / "subject"), str(tiny / "corpus.jsonl")  # dataprep.tiny: its block 0 writes softly
     else:
@@ -308,12 +310,13 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
         print(f"[pipeline] extract: {data} is there and checks valid, skipped", flush=True)
         records.done("extract", READS["extract"], ran=False)
     else:
+        from dataprep.extract import extract
+
         e = cfg.extract
-        argv = ["data", "extract", corpus, "--model", model, "--layer", str(e.layer), "--out", str(data),
-                "--positions-per-doc", str(e.positions_per_doc), "--min-position", str(e.min_position),
-                "--splits", e.splits, "--seed", str(cfg.seed), "--max-tokens", str(e.max_tokens),
-                "--batch-size", str(e.batch_size), "--workers", str(e.workers), "--injection-scale", e.injection_scale]
-        _stage("extract", argv + (["--max-docs", str(e.max_docs)] if e.max_docs else []))
+        _announce("extract", f"block {e.layer}'s residuals of {model} over {corpus} into {data}")
+        extract(corpus, model, e.layer, data, positions_per_doc=e.positions_per_doc, min_position=e.min_position,
+                max_docs=e.max_docs, splits=e.splits, seed=cfg.seed, max_tokens=e.max_tokens, batch_size=e.batch_size,
+                workers=e.workers, injection_scale=e.injection_scale, log=_log)
         records.done("extract", READS["extract"], ran=True)
 
     # ---- 2. explanations ---------------------------------------------------------------------------
@@ -321,13 +324,14 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
     explained = all((data / f"{s}_sft.explained.parquet").is_file() for s in ("av", "ar"))
     if explained:
         records.check_inputs("explain", data, READS["explain"])
-    if x.teacher == "fixture":
-        argv = ["data", "explain", str(data), "--teacher", "fixture", "--concurrency", str(x.concurrency)]
-    else:
-        argv = ["data", "explain", str(data), "--base-url", x.base_url, "--model", x.model, "--api", x.api,
-                "--concurrency", str(x.concurrency)] + (["--api-key-env", x.api_key_env] if x.api_key_env else [])
-    argv += ["--max-rows", str(x.max_rows)] if x.max_rows else []
-    _stage("explain", argv)  # a split already explained in full is skipped by the command itself
+    from dataprep.explain import explain_command
+
+    teacher = "the tiny fixture's rule" if x.teacher == "fixture" else f"{x.model} at {x.base_url}"
+    _announce("explain", f"the SFT splits in {data} by {teacher}")
+    fixture = x.teacher == "fixture"  # a split already explained in full is skipped by the stage itself
+    explain_command(data, teacher=x.teacher, base_url=None if fixture else x.base_url, model=None if fixture else x.model,
+                    api=x.api, api_key_env=None if fixture else x.api_key_env, concurrency=x.concurrency,
+                    max_rows=x.max_rows, log=_log)
     records.done("explain", READS["explain"], ran=not explained)
 
     # ---- 3. SFT ------------------------------------------------------------------------------------
@@ -342,21 +346,26 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] sft {stage}: {products[stage].parent} is there, skipped", flush=True)
             records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=False)
             continue
+        from orchestrator.sft_run import done_line, run_sft
+
         if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
-            _stage(f"sft {stage}", ["sft", stage, "--resume", str(run)])
+            _announce(f"sft {stage}", f"{run} continued from its last checkpoint")
+            last = run_sft(stage, None, None, str(run), None, [], log=_log)
         else:
             import shutil
 
             shutil.rmtree(run, ignore_errors=True)  # a stage that failed before its first checkpoint: from the start
-            _stage(f"sft {stage}", ["sft", stage, config, "--run-dir", str(run)]
-                   + [a for o in sets + paths for a in ("--set", o)])
+            _announce(f"sft {stage}", f"{config} into {run}")
+            last = run_sft(stage, config, str(run), None, None, sets + paths, log=_log)
+        _log(done_line(stage, last))
         records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=True)
 
     # ---- 4. RL -------------------------------------------------------------------------------------
     rl = out / "rl"
     paths += [f"learner.adapter_init={products['av'].parent}", f"critic.checkpoint={products['ar'].parent}",
               "critic.lora_r=null", "critic.lora_alpha=null"]
-    steps = ["--steps", str(cfg.train.steps)] if cfg.train.steps else []
+    from orchestrator.rl_run import run_rl
+
     if (rl / "checkpoints").is_dir() and any((rl / "checkpoints").glob("step_*")):
         from orchestrator.run_dir import RunDir
 
@@ -367,14 +376,15 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
         if not ran:
             print(f"[pipeline] train: {rl} is at step {want}, skipped", flush=True)
         else:
-            _stage("train", ["train", "--resume", str(rl)] + steps)
+            _announce("train", f"{rl} continued from its last checkpoint")
+            run_rl(resume=str(rl), steps=cfg.train.steps or None)
     else:
         import shutil
 
         shutil.rmtree(rl, ignore_errors=True)
         ran = True
-        _stage("train", ["train", config, "--run-dir", str(rl)] + steps
-               + [a for o in sets + list(cfg.train.set) + paths for a in ("--set", o)])
+        _announce("train", f"{config} into {rl}, from the SFT products")
+        run_rl(config, str(rl), steps=cfg.train.steps or None, overrides=sets + list(cfg.train.set) + paths)
     records.done("rl", READS["rl"], ran=ran)
     _summary(out)
     print(f"[pipeline] done: {out} (AV-SFT {products['av'].parent}, AR-SFT {products['ar'].parent}, RL {rl})", flush=True)

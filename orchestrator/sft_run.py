@@ -411,3 +411,11 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
     except NlaInputError as exc:  # the stage's own outcome matters more than its plot
         log(f"[plot] not written: {exc}")
     return dict(last, product=str(run.product))
+
+
+def done_line(stage: str, last: dict) -> str:
+    """The line a finished stage ends with: its product, last step and score, and the config field that takes it."""
+    key = "eval/nll" if stage == "av" else "eval/fve"
+    use = "learner.adapter_init" if stage == "av" else "critic.checkpoint"
+    return (f"[done] {last['product']}: step {last.get('step', '-')}, {key} {last.get(key, float('nan')):.4f}; "
+            f"use it with {use}={last['product']}")

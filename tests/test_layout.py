@@ -31,7 +31,7 @@ IMPORT_BANS = {
     "shared": {"rollout", "critic", "learner", "orchestrator", "sft", "evals", "dataprep"},
     "rollout": {"critic", "learner", "orchestrator"},
     "critic": {"rollout", "learner", "orchestrator"},
-    "learner": {"orchestrator"},
+    "learner": {"orchestrator", "rollout", "critic"},
     "dataprep": {"orchestrator", "rollout", "critic", "learner", "sft"},
     "sft": {"orchestrator", "dataprep", "evals"},
 }
@@ -113,3 +113,40 @@ def test_no_module_names_a_weight_sync_variant_outside_weight_sync():
              if re.search(r"""==\s*["'](cuda_ipc|nccl|file|ray_object)["']|["'](cuda_ipc|nccl|file|ray_object)["']\s*==""", line)]
     assert found == []
 
+
+
+def test_no_two_modules_import_each_other():
+    """Imports anywhere in a module (inside functions too) form no circle."""
+    graph = {}
+    for package in PRODUCTION:
+        for f in (ROOT / package).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            graph[name] = f
+    edges = {}
+    import ast
+
+    for name, f in graph.items():
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            targets.update(m for m in mods if m in graph and m != name and not name.startswith(m + "."))
+        edges[name] = targets
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert cycles == []
