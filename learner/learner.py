@@ -27,7 +27,8 @@ from learner.update_metrics import (THROUGHPUT_KEYS, UpdateSums, base_parameter_
 from shared.collective import GradientSums
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (a phase's timing then measures the work, not its launch)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -75,19 +76,20 @@ class Learner:
             return None, None
         return self.micro_batches.plan_budget(self.params, self.optimizer), self.micro_batch_tokens
 
-    def _micro_batches(self, items: list[Item], mine: bool = True):
+    def micro_batches_of(self, items: list[Item], mine: bool = True):
+        """``(indices, batch)`` per micro-batch of ``items`` under this learner's memory plan (``mine``: this rank's only)."""
         return self.micro_batches(items, self.params, self.optimizer, mine)
 
     # ---- scoring -------------------------------------------------------------------------------
     @torch.no_grad()
-    def _score(self, items: list[Item], adapter: str, mine: bool = True) -> list[torch.Tensor]:
+    def score_items(self, items: list[Item], adapter: str, mine: bool = True) -> list[torch.Tensor]:
         """Logprobs per item (``mine``: only for this rank's micro-batches, None elsewhere)."""
         out: list = [None] * len(items)
         was_training = self.model.training
         self.model.eval()
         try:
             with reusing_casts():  # the adapter's bf16 casts made once for every micro-batch (lora_compute)
-                for idx, batch in self._micro_batches(items, mine):
+                for idx, batch in self.micro_batches_of(items, mine):
                     with self.policy.injecting(batch), self.policy.using(adapter):
                         logp, _ = self.policy.forward_logprobs(batch)
                     self.executed += executed_tokens(batch)
@@ -103,7 +105,7 @@ class Learner:
             raise ValueError(f"adapter: expected {POLICY!r} or {REFERENCE!r}, found {adapter!r}")
         items = items_from(samples, vectors)
         result: list[list[float]] = [[] for _ in samples]
-        for it, lp in zip(items, self._score(items, adapter, mine=False)):
+        for it, lp in zip(items, self.score_items(items, adapter, mine=False)):
             result[it.index] = lp.tolist()
         return result
 
@@ -126,7 +128,7 @@ class Learner:
         # the result does not depend on how the micro-batches were dealt
         sums = GradientSums(self.params, several=self.dp.world_size > 1)
         self.model.train()
-        for idx, batch in self._micro_batches(items):
+        for idx, batch in self.micro_batches_of(items):
             mine += idx
             self.executed += executed_tokens(batch)
             chunk = [items[i] for i in idx]
@@ -177,7 +179,7 @@ class Learner:
             out["mismatch"] = (mm_abs_sum / n, mm_k3_sum / n)
         return out
 
-    def _optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
+    def optimizer_step(self, loss: float, kept: int) -> tuple[float, bool]:
         """Clip and step; returns (grad norm, skipped). Weights and optimiser state move only on success."""
         if kept == 0:
             self.optimizer.zero_grad(set_to_none=True)
@@ -206,7 +208,7 @@ class Learner:
     def _update(self, samples, advantages, vectors) -> dict:
         items = items_from(samples, vectors, advantages)
         epochs = self.cfg.learner.ppo_epochs
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         kl = ("kl_mean",) if self.reference_pass else ()  # no reference pass, no KL to report
@@ -218,7 +220,7 @@ class Learner:
         self.executed = 0
         if epochs > 1:
             # this rank's micro-batches only (the others' old logprobs are theirs to compute)
-            old = [o if o is not None else r for o, r in zip(self._score(items, POLICY), rollout)]
+            old = [o if o is not None else r for o, r in zip(self.score_items(items, POLICY), rollout)]
             per_abs, per_k3 = ragged_mismatch(rollout, old)
             keep = [math.isfinite(x) and x <= self.cfg.learner.mismatch_mask_k3 for x in per_k3]
             # an item of another rank's share compares its rollout logprobs with themselves: 0, counted there
@@ -234,7 +236,7 @@ class Learner:
                 keep = stats["keep"]
                 mm_abs, mm_k3 = stats["mismatch"]
             masked = stats["masked"]
-            norm, skipped = self._optimizer_step(stats["loss"], stats["kept"])
+            norm, skipped = self.optimizer_step(stats["loss"], stats["kept"])
             if skipped:
                 break
             stepped += 1
@@ -247,7 +249,7 @@ class Learner:
             # the GPU is shared: the critic's co-training step and vLLM's wake-up come next and need the
             # memory this update's micro-batches were sized to fill (micro_batch auto)
             torch.cuda.empty_cache()
-        _sync(self.device)
+        sync_device(self.device)
         seconds = time.perf_counter() - t0
         # tokens as an unpacked forward sees them (prompt + response per sample), and what every rank's
         # forwards really ran (learner.throughput has both FLOP counts)

@@ -37,7 +37,7 @@ class RankGroup:
     def leader(self):
         return self.actors[0]
 
-    def _all(self, calls: list) -> list:
+    def wait_all(self, calls: list) -> list:
         """Wait for one call per rank; the first failure raises at once (the others may be stuck in a
         collective waiting for it). A rank that died is named before one whose collective broke with it."""
         import ray
@@ -81,20 +81,20 @@ class RankGroup:
             return
         world = len(self.actors)
         host, port = ray.get(self.leader.data_parallel_rendezvous.remote(world))
-        self._all([a.join_data_parallel.remote(host, port, r, world, self.backend) for r, a in enumerate(self.actors)])
+        self.wait_all([a.join_data_parallel.remote(host, port, r, world, self.backend) for r, a in enumerate(self.actors)])
         self.joined = True
 
-    def _each(self, method: str, *args) -> list:
+    def call_each(self, method: str, *args) -> list:
         """``method(*args)`` on every rank; large arguments go into Ray's store once, for all of them."""
         import ray
 
         self.join()
         if len(self.actors) > 1:
             args = tuple(ray.put(a) if not isinstance(a, (str, int, float)) else a for a in args)
-        return self._all([getattr(a, method).remote(*args) for a in self.actors])
+        return self.wait_all([getattr(a, method).remote(*args) for a in self.actors])
 
     def _check_same_state(self, step_what: str) -> None:
-        sums = self._each("checksum")
+        sums = self.call_each("checksum")
         for r, s in enumerate(sums[1:], start=1):
             if s != sums[0]:
                 raise RankFailure(f"{self.name} rank {r} of {len(self.actors)} disagrees with rank 0 {step_what} "
@@ -104,25 +104,25 @@ class RankGroup:
         """Rank 0 writes; every rank's trained state is checked against rank 0's first."""
         if len(self.actors) > 1:
             self._check_same_state("at a checkpoint")
-        self._all([self.leader.save.remote(directory, *args)])
+        self.wait_all([self.leader.save.remote(directory, *args)])
 
     def save_reference(self, directory: str) -> None:
         """Rank 0 writes the frozen part (the same on every rank)."""
-        self._all([self.leader.save_reference.remote(directory)])
+        self.wait_all([self.leader.save_reference.remote(directory)])
 
     def load(self, directory: str) -> None:
-        self._each("load", directory)
+        self.call_each("load", directory)
 
 
 class LearnerGroup(RankGroup):
     name = "learner"
 
     def update(self, samples, advantages, vectors) -> dict:
-        return self._each("update", samples, advantages, vectors)[0]
+        return self.call_each("update", samples, advantages, vectors)[0]
 
     def planned_tokens(self) -> tuple[int | None, int | None]:
         """Every rank plans together (the smallest budget wins); rank 0's answer is theirs."""
-        return tuple(self._each("planned_tokens")[0])
+        return tuple(self.call_each("planned_tokens")[0])
 
 
 class CriticGroup(RankGroup):
@@ -130,12 +130,12 @@ class CriticGroup(RankGroup):
 
     def score(self, explanations, vectors) -> list:
         if len(self.actors) == 1:
-            return self._each("score", explanations, vectors)[0]
+            return self.call_each("score", explanations, vectors)[0]
         scores = [None] * len(explanations)
-        for share in self._each("score_share", explanations, vectors):
+        for share in self.call_each("score_share", explanations, vectors):
             for i, value in share:
                 scores[i] = value
         return scores
 
     def train_step(self, explanations, vectors) -> dict:
-        return self._each("train_step", explanations, vectors)[0]
+        return self.call_each("train_step", explanations, vectors)[0]

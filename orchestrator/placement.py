@@ -31,7 +31,7 @@ def gpu_count_needed(cfg: RunConfig) -> int:
     return r.num_engines * r.tensor_parallel_size + p.learner_workers * p.learner_gpus + (p.critic_workers if p.critic_own_gpu else 0)
 
 
-def _largest_node_gpus() -> int:
+def largest_node_gpus() -> int:
     import ray
 
     return max((int(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0)
@@ -159,7 +159,7 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
     L, C = p.learner_workers, p.critic_workers
     bundles = [{"GPU": p.learner_gpus, "CPU": 1} for _ in range(L)] + ([{"GPU": 1, "CPU": 1}] * C if p.critic_own_gpu else [])
     # NCCL inside one node where a node has the GPUs for every rank; across nodes otherwise
-    ranks_pg = placement_group(bundles, strategy="STRICT_PACK" if _largest_node_gpus() >= sum(b["GPU"] for b in bundles) else "PACK")
+    ranks_pg = placement_group(bundles, strategy="STRICT_PACK" if largest_node_gpus() >= sum(b["GPU"] for b in bundles) else "PACK")
     ray.get([engines_pg.ready(), ranks_pg.ready()])
     # each engine sees its tp GPUs (vLLM's multiprocessing executor spreads over them)
     rollouts = [RolloutActor.options(num_cpus=0, num_gpus=tp, scheduling_strategy=at(engines_pg, i)).remote(cfg, spec, backend, "cuda")

@@ -110,7 +110,7 @@ def start_ranks(cfg, stage: str, spec):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from orchestrator.groups import RankGroup
-    from orchestrator.placement import _largest_node_gpus
+    from orchestrator.placement import largest_node_gpus
     from sft.actors import ArSftActor, AvSftActor
     from shared.actors import remote
 
@@ -122,7 +122,7 @@ def start_ranks(cfg, stage: str, spec):
     have = int(ray.cluster_resources().get("GPU", 0))
     if have < n:
         raise RuntimeError(f"{STAGE_NAME[stage]} with {n} rank(s) needs {n} GPU(s), the Ray cluster has {have}")
-    pg = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="STRICT_PACK" if _largest_node_gpus() >= n else "PACK")
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * n, strategy="STRICT_PACK" if largest_node_gpus() >= n else "PACK")
     ray.get(pg.ready())
     actors = [actor.options(num_cpus=0, num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
         placement_group=pg, placement_group_bundle_index=i)).remote(cfg, spec, "cuda") for i in range(n)]
@@ -274,7 +274,7 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
     def evaluate() -> dict:
         if not len(plan.eval_idx):
             return {}
-        out = group._each("evaluate", *plan.args("eval", plan.eval_idx))[0]
+        out = group.call_each("evaluate", *plan.args("eval", plan.eval_idx))[0]
         if stage == "av":
             return {"eval/nll": out["nll"], "eval/tokens": out["tokens"]}
         from shared.schema import fve
@@ -290,7 +290,7 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
 
     # ---- resume or start ----------------------------------------------------------------------------
     if resume_from is not None:
-        group._each("load", str(resume_from / "model"))
+        group.call_each("load", str(resume_from / "model"))
         run.truncate_logs(start)
         log(f"[resume] {name} from {resume_from.name} (step {start} of {total})")
     else:
@@ -308,7 +308,7 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
         epoch, idx, tokens = plan.step(step)
         lr = lr_at(step, total, s.lr, s.warmup_steps, s.schedule)
         t0 = time.perf_counter()
-        out = group._each("sft_step", *plan.args("train", np.asarray(idx)), lr)[0]
+        out = group.call_each("sft_step", *plan.args("train", np.asarray(idx)), lr)[0]
         seconds = time.perf_counter() - t0
         done = step + 1
         row = {"step": done, "epoch": epoch, "lr": lr, "loss": out["loss"], "grad_norm": out["grad_norm"],
@@ -327,7 +327,7 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
 
     # ---- the product --------------------------------------------------------------------------------
     # atomic: a finished product is replaced whole, never half-written
-    group._all([group.leader.export.remote(str(run.product))])
+    group.wait_all([group.leader.export.remote(str(run.product))])
     log(f"[{stage}] wrote {run.product}")
     return last
 

@@ -14,7 +14,7 @@ import torch
 
 from learner import checkpoint
 from learner.policy import POLICY
-from learner.learner import Learner, _sync
+from learner.learner import Learner, sync_device
 from learner.micro_batches import Item
 from learner.update_metrics import executed_tokens
 from sft.plan import token_nll_sum
@@ -41,13 +41,13 @@ class AvSftLearner(Learner):
         n_tokens = sum(len(r) for r in responses)
         for group in self.optimizer.param_groups:
             group["lr"] = float(lr)
-        _sync(self.device)
+        sync_device(self.device)
         t0 = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         sums = GradientSums(self.params, several=self.dp.world_size > 1)
         self.model.train()
         nll_sum, executed = 0.0, 0
-        for _, batch in self._micro_batches(items):
+        for _, batch in self.micro_batches_of(items):
             with self.policy.injecting(batch):
                 logp, mask = self.policy.forward_logprobs(batch)
                 nll, _ = token_nll_sum(logp, mask)
@@ -59,8 +59,8 @@ class AvSftLearner(Learner):
         nll_sum, executed = self.dp.sum_values([nll_sum, executed], self.device)
         sums.finish(self.dp)
         loss = nll_sum / max(n_tokens, 1)
-        norm, skipped = self._optimizer_step(loss, len(items))
-        _sync(self.device)
+        norm, skipped = self.optimizer_step(loss, len(items))
+        sync_device(self.device)
         seconds = time.perf_counter() - t0
         # executed FLOPs: forward 2 and backward-to-inputs 2 per weight per token (the frozen base's weight
         # gradients are never formed; the LoRA's and attention's are a rounding error next to N): the decoder's
@@ -78,7 +78,7 @@ class AvSftLearner(Learner):
     def nll(self, prompts, sites, responses, vectors) -> dict:
         """Held-out token-mean NLL of the responses (every micro-batch on this rank)."""
         items = _items(prompts, sites, responses, vectors)
-        logps = self._score(items, POLICY, mine=False)
+        logps = self.score_items(items, POLICY, mine=False)
         total = sum(float(-lp.sum()) for lp in logps)
         tokens = sum(lp.numel() for lp in logps)
         return {"nll": total / tokens if tokens else math.nan, "tokens": tokens}

@@ -150,3 +150,19 @@ def test_no_two_modules_import_each_other():
         if node not in state:
             visit(node, [node])
     assert cycles == []
+
+
+def test_the_sft_stages_use_only_public_names_of_other_modules():
+    """SFT drives the learner, the critic and the rank groups through their public methods: a private one may change
+    without a look at its callers elsewhere."""
+    import ast
+
+    found = []
+    for f in sorted((ROOT / "sft").rglob("*.py")) + [ROOT / "orchestrator" / "sft_run.py"]:
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0:
+                found += [f"{f.name}: from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+            elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{f.name}:{node.lineno}: .{node.attr}")
+    assert found == []

@@ -70,13 +70,13 @@ def test_nan_rollout_logprob_masks_that_sample_only(tiny_dir, rollouts):
 def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, monkeypatch):
     samples, vectors = rollouts
     learner = Learner(make_cfg(tiny_dir, "embed", ppo_epochs=2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
-    real, calls = learner._optimizer_step, []
+    real, calls = learner.optimizer_step, []
 
     def second_fails(loss, kept):
         calls.append(1)
         return real(float("nan") if len(calls) == 2 else loss, kept)
 
-    monkeypatch.setattr(learner, "_optimizer_step", second_fails)
+    monkeypatch.setattr(learner, "optimizer_step", second_fails)
     m = learner.update(samples, [1.0, -1.0, 0.5, -0.5], vectors)
     assert len(calls) == 2 and not m["skipped"] and learner.version == 2
 

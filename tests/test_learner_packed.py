@@ -50,7 +50,7 @@ def test_packing_shares_each_prompt_once(tiny_dir, uneven):
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8), load_tiny_spec(tiny_dir))
-    batches = [b for _, b in learner._micro_batches(_items(samples, vectors))]
+    batches = [b for _, b in learner.micro_batches_of(_items(samples, vectors))]
     assert sum(b.input_ids.shape[0] for b in batches) == 3  # one row per prompt
     assert sum(len(b.members) for b in batches) == len(samples)
     assert sum(b.processed for b in batches) < sum(b.tokens for b in batches)
@@ -100,7 +100,7 @@ def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):
     learner.micro_batch_tokens = longest + 2  # rows of about one sample each
     from learner.micro_batches import items_from as _items
 
-    assert sum(b.input_ids.shape[0] for _, b in learner._micro_batches(_items(samples, vectors))) > 3
+    assert sum(b.input_ids.shape[0] for _, b in learner.micro_batches_of(_items(samples, vectors))) > 3
     g_split, _ = _grads(learner, samples, adv, vectors)
     assert max((g_whole[k] - g_split[k]).abs().max().item() for k in g_whole) <= 1e-5
 
@@ -125,7 +125,7 @@ def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=2), load_tiny_spec(tiny_dir))
     items = _items(samples, vectors)
     longest = max(len(it.prompt_ids) + len(it.response_ids) for it in items)
-    batches = [b for _, b in learner._micro_batches(items)]
+    batches = [b for _, b in learner.micro_batches_of(items)]
     assert all(len(b.members) <= 2 or b.input_ids.shape[0] == 1 for b in batches)
     assert all(b.processed <= 2 * longest for b in batches)
     assert sorted(i for b in batches for i in b.members) == list(range(len(samples)))
@@ -173,7 +173,7 @@ def test_executed_flops_count_the_tokens_the_forwards_ran(tiny_dir, uneven, forw
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8, forward=forward, ppo_epochs=epochs, lr=1e-2,
                                mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
     items = _items(samples, vectors)
-    per_pass = sum(executed_tokens(b) for _, b in learner._micro_batches(items))
+    per_pass = sum(executed_tokens(b) for _, b in learner.micro_batches_of(items))
     logical = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     m = learner.update(samples, _adv(len(samples)), vectors)
     # rescoring (epochs > 1) runs the same micro-batches once more, forward only
