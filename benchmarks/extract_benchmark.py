@@ -51,7 +51,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from dataprep.extract import extract
+    from nla_grpo.dataprep.extract import extract
 
     shape = step_benchmark.QWEN3_8B
     if args.device == "cpu":

@@ -211,7 +211,7 @@ def main() -> int:
     cfg_path = root / f"job-{tag}.yaml"
     cfg_path.write_text(yaml.safe_dump(job_config(root, args)))
     run_dir = root / f"run-{tag}-{time.strftime('%H%M%S')}"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(cfg_path), "--run-dir", str(run_dir)]
     print("[job]", " ".join(cmd), flush=True)
     t = time.perf_counter()
     # every process on the GPU (vLLM, learner, critic), polled from outside the job: this script holds no CUDA context

@@ -57,7 +57,7 @@ VARIANTS = {
 def synthetic_samples(job, prompts: int, group: int, new_tokens: int, lengths: str, seed: int):
     import torch
 
-    from shared.types import Sample
+    from nla_grpo.shared.types import Sample
 
     gen = torch.Generator().manual_seed(seed)
     vocab = 256  # the small benchmark tokenizer's byte range: plain text tokens
@@ -89,11 +89,11 @@ def main() -> int:
     dev = step_benchmark.DEVICE
     import torch
 
-    from learner import lora_compute
-    from learner.grpo import group_advantages
-    from orchestrator.job import prepare_job
-    from learner.learner import Learner
-    from shared.config import build_config
+    from nla_grpo.learner import lora_compute
+    from nla_grpo.learner.grpo import group_advantages
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.shared.config import build_config
 
     root = step_benchmark.build_workdir(Path(args.workdir), step_benchmark.SMALL if args.dry_run_cpu else step_benchmark.QWEN3_8B,
                                         args.layers, args.prompts, args.prompt_len, seed=0)

@@ -26,7 +26,7 @@ def build(layers: int, width: int, rank: int, dtype):
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     torch.manual_seed(0)
     names = [f"{i}" for i in range(layers)]
@@ -41,7 +41,7 @@ def micro_batches(model, xs, reuse: bool) -> tuple[float, int]:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     class Count(TorchDispatchMode):
         n = 0

@@ -41,7 +41,7 @@ def main() -> int:
     import torch
 
     import step_benchmark
-    from rollout.vllm.patches import engine_patches
+    from nla_grpo.rollout.vllm.patches import engine_patches
 
     batches = [int(b) for b in args.batches.split(",")]
     if args.cpu:

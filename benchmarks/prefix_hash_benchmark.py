@@ -59,10 +59,10 @@ def engine_admission(batches: list[int], group: int, prompt_len: int, hidden: in
     import torch
 
     import step_benchmark
-    from rollout.vllm.handles import in_process_scheduler
-    from rollout.vllm.engine import VllmEngine
-    from shared.config import build_config
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.rollout.vllm.handles import in_process_scheduler
+    from nla_grpo.rollout.vllm.engine import VllmEngine
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec, sidecar_path
     from vllm.v1.core import kv_cache_utils
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -147,7 +147,7 @@ def main() -> int:
     import vllm
     from vllm.v1.core import kv_cache_utils
 
-    from rollout.vllm.patches import shared_prompt_embeds_hashes
+    from nla_grpo.rollout.vllm.patches import shared_prompt_embeds_hashes
 
     own = kv_cache_utils._gen_prompt_embeds_extra_hash_keys
     if getattr(own, "shared_per_tensor", False):

@@ -28,8 +28,8 @@ def build_pair(work: Path, layers: int, critic_layers: int, new_tokens: int, dev
     import yaml
 
     import step_benchmark
-    from shared.config import build_config
-    from shared.spec import load_spec
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec
 
     step_benchmark.DEVICE = device
     step_benchmark.build_workdir(work, step_benchmark.QWEN3_8B if device == "cuda" else step_benchmark.SMALL, layers, 8, 200, 0)
@@ -47,7 +47,7 @@ def build_pair(work: Path, layers: int, critic_layers: int, new_tokens: int, dev
         meta["generation"] = {"prefill": "<explanation>", "extra_stop_tokens": [], "max_new_tokens": new_tokens,
                               "cap_is_failure": False, "enable_thinking": False}
         (verbalizer / "nla_meta.yaml").write_text(yaml.safe_dump(meta, allow_unicode=True))
-        from critic.scoring import Critic
+        from nla_grpo.critic.scoring import Critic
 
         spec = load_spec(verbalizer / "nla_meta.yaml")
         cfg = build_config({"model": {"path": str(work / "model"), "dtype": "bfloat16" if device == "cuda" else "float32"},

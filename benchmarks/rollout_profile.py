@@ -111,7 +111,7 @@ class CallTimers:
     """
 
     def __init__(self, llm):
-        from rollout.vllm.handles import in_process_engine_core
+        from nla_grpo.rollout.vllm.handles import in_process_engine_core
 
         core = in_process_engine_core(llm)
         self.seconds, self.calls = {}, {}
@@ -166,7 +166,7 @@ def random_update(cfg, shape: dict, layers: int, device: str):
     import torch
     from peft import LoraConfig
 
-    from shared.types import AdapterUpdate
+    from nla_grpo.shared.types import AdapterUpdate
 
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     q, kv = shape["num_attention_heads"] * shape["head_dim"], shape["num_key_value_heads"] * shape["head_dim"]
@@ -182,7 +182,7 @@ def random_update(cfg, shape: dict, layers: int, device: str):
             tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen, device=device, dtype=dtype) * 0.01
     config = LoraConfig(r=r, lora_alpha=cfg.learner.lora_alpha, use_rslora=cfg.learner.use_rslora, lora_dropout=0.0,
                         target_modules=[n.split(".")[-1] for n in dims])
-    from shared.fileio import jsonable
+    from nla_grpo.shared.fileio import jsonable
 
     return AdapterUpdate(version=1, tensors=tensors, peft_config=jsonable(config.to_dict()))
 
@@ -243,10 +243,10 @@ def main() -> int:
         if device == "cuda":
             torch.cuda.synchronize()
 
-    from rollout.vllm.handles import in_process_scheduler, model_runner
-    from rollout.vllm.engine import VllmEngine
-    from shared.config import build_config
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.rollout.vllm.handles import in_process_scheduler, model_runner
+    from nla_grpo.rollout.vllm.engine import VllmEngine
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     batches = [int(b) for b in args.batches.split(",")]
     top = max(batches)

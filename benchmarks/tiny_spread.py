@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dataprep.tiny import GPU_OVERRIDES, learning_summary  # noqa: E402
+from nla_grpo.dataprep.tiny import GPU_OVERRIDES, learning_summary  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     for seed in seeds:
         sets = [f"model.path={args.tiny_dir / 'model'}", f"data.parquet={args.tiny_dir / 'rl.parquet'}", *GPU_OVERRIDES,
                 "placement.mode=colocated", "logging.eval_every=50", f"seed={seed}"]
-        cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir",
+        cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir",
                str(work / f"seed{seed}"), "--steps", str(args.steps)] + [a for s in sets for a in ("--set", s)]
         log = open(work / f"seed{seed}.log", "w")
         procs[seed] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT))), log)

@@ -10,9 +10,9 @@ class CriticActor:
     """Forwards to a ``critic.scoring.Critic`` living in this process."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        from critic.scoring import Critic
+        from nla_grpo.critic.scoring import Critic
 
-        from shared.collective import DataParallel
+        from nla_grpo.shared.collective import DataParallel
 
         self.critic = Critic(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from shared import fileio
-from shared.errors import NlaInputError
+from nla_grpo.shared import fileio
+from nla_grpo.shared.errors import NlaInputError
 
 META_NAME = "critic_meta.json"
 WEIGHTS_NAME = "critic_weights.safetensors"

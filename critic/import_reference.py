@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from critic.checkpoint import META_NAME, WEIGHTS_NAME, CriticMeta
-from critic.model import base_config
-from shared.errors import NlaInputError
-from shared.fileio import atomic_directory, load_tensors, read_json_object, save_tensors, write_json
+from nla_grpo.critic.checkpoint import META_NAME, WEIGHTS_NAME, CriticMeta
+from nla_grpo.critic.model import base_config
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.fileio import atomic_directory, load_tensors, read_json_object, save_tensors, write_json
 
 REFERENCE_META = "ar_meta.json"
 REFERENCE_WEIGHTS = "ar_lora_value_head.safetensors"
@@ -61,7 +61,7 @@ def _critic_shapes(model_dir: Path, meta: dict) -> dict[str, torch.Size]:
     itself, built on the meta device, so the names are the ones ``critic.checkpoint`` loads."""
     from transformers import AutoModel
 
-    from critic.model import CriticModel, _truncated_config
+    from nla_grpo.critic.model import CriticModel, _truncated_config
 
     config = base_config(model_dir)
     total = int(config.num_hidden_layers)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shared.errors import NlaInputError
-from shared.schema import normalize_activation
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.schema import normalize_activation
 
 
 def base_config(model_path: str | Path):
@@ -21,7 +21,7 @@ def base_config(model_path: str | Path):
     p = Path(model_path)
     if not (p / "config.json").is_file():
         raise NlaInputError(p, "no model here (expected config.json and weights)")
-    from shared.model_facts import hf_config
+    from nla_grpo.shared.model_facts import hf_config
 
     return hf_config(p)
 
@@ -55,7 +55,7 @@ def load_truncated_backbone(model_path: str | Path, num_layers: int, dtype: torc
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = {"": device}
     if quantization != "none":
-        from shared.quantization import hf_quantization_kwargs, require_gpu
+        from nla_grpo.shared.quantization import hf_quantization_kwargs, require_gpu
 
         require_gpu(quantization, device)
         kwargs.update(hf_quantization_kwargs(quantization, dtype, model_path))

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from critic.checkpoint import (
+from nla_grpo.critic.checkpoint import (
     META_NAME,
     OPTIM_META_NAME,
     OPTIM_TENSORS_NAME,
@@ -31,11 +31,11 @@ from critic.checkpoint import (
     save_optimizer,
     save_weights,
 )
-from critic.model import CriticModel
-from shared.config import LINEAR_MODULES
-from shared.errors import NlaInputError
-from shared.prompts import render_critic_ids, start_token
-from shared.schema import normalized_mse
+from nla_grpo.critic.model import CriticModel
+from nla_grpo.shared.config import LINEAR_MODULES
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.prompts import render_critic_ids, start_token
+from nla_grpo.shared.schema import normalized_mse
 
 # fields that fix the critic's structure: a checkpoint must agree on all of them (its LoRA's
 # target_modules have no config field: the checkpoint's own are used)
@@ -84,9 +84,9 @@ class Critic:
     """Owns the critic model, its tokenizer and (once training starts) its optimiser."""
 
     def __init__(self, cfg, spec, device: str = "cpu", data_parallel=None):
-        from shared.model_checks import load_tokenizer
-        from shared.collective import DataParallel
-        from shared.torch_utils import resolve_dtype
+        from nla_grpo.shared.model_checks import load_tokenizer
+        from nla_grpo.shared.collective import DataParallel
+        from nla_grpo.shared.torch_utils import resolve_dtype
 
         self.cfg = cfg
         # co-training across data-parallel ranks: each sees its shard, gradients and counts are summed
@@ -158,7 +158,7 @@ class Critic:
 
     def _batch(self, ids_list: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded ids and attention mask on the critic's device."""
-        from shared.torch_utils import right_pad
+        from nla_grpo.shared.torch_utils import right_pad
 
         return right_pad(ids_list, self.pad_id, self.device)
 
@@ -208,7 +208,7 @@ class Critic:
     # ---- co-training -----------------------------------------------------------------------
     def _ensure_optimizer(self):
         if self.optimizer is None:
-            from shared.torch_utils import make_adamw
+            from nla_grpo.shared.torch_utils import make_adamw
 
             self.optimizer = make_adamw(self.trainable, self.cfg.critic.lr, self.cfg.critic.optimizer)
         return self.optimizer
@@ -220,7 +220,7 @@ class Critic:
         clipping), ``critic_skipped`` (True when no step was taken: no valid sample, or a non-finite
         loss or norm) and ``critic_n`` (samples used). Values not computed are NaN.
         """
-        from shared.collective import GradientSums
+        from nla_grpo.shared.collective import GradientSums
 
         golds = self._golds(activations, len(explanations))
         ids = self.encode(explanations)

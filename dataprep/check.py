@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shared.errors import NlaInputError
-from shared.model_checks import check_model_against_spec
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.model_checks import check_model_against_spec
 
 
 def resolve_model_dir(spec, model_dir: str | None) -> Path:
@@ -23,9 +23,9 @@ def resolve_model_dir(spec, model_dir: str | None) -> Path:
 def check_dataset(parquet: str, sidecar: str | None = None, model_dir: str | None = None, eval_fraction: float = 0.1,
                   out=sys.stdout, prefill: str = "", enable_thinking: bool | None = None) -> dict:
     """Validate everything a run needs from the data (prompts rendered with ``prefill``); return and print a summary."""
-    from shared.data import open_parquet, read_rows, split_eval
-    from shared.prompts import prompt_table
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.data import open_parquet, read_rows, split_eval
+    from nla_grpo.shared.prompts import prompt_table
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     open_parquet(parquet)
     spec = load_spec(sidecar or sidecar_path(parquet))

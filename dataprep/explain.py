@@ -36,8 +36,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from shared.errors import NlaInputError
-from shared.fileio import lock_directory
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.fileio import lock_directory
 
 PROMPT_VERSION = 1
 TEXT_COLUMN = "detokenized_text_truncated"
@@ -86,7 +86,7 @@ def teacher_prompt(text: str, token: str | None = None) -> tuple[str, str]:
 def classify_reply(text: str | None) -> tuple[str | None, str]:
     """``(explanation, "ok")`` or ``(None, why)`` with why one of empty, refusal, no_tags, too_long. The
     kept explanation has its whitespace collapsed to single spaces (it goes into one-line templates)."""
-    from shared.schema import extract_explanation
+    from nla_grpo.shared.schema import extract_explanation
 
     raw = (text or "").strip()
     if not raw:
@@ -122,7 +122,7 @@ def _fingerprint(path: Path, rows: int) -> dict:
 
 def _pin(work: Path, args: dict) -> None:
     """Record the arguments in ``state.json``, or refuse a resume whose arguments differ."""
-    from shared.fileio import write_json
+    from nla_grpo.shared.fileio import write_json
 
     path = work / "state.json"
     if path.is_file():
@@ -194,7 +194,7 @@ def _open_split(splits_dir: Path, split: str, max_rows: int | None):
     path and the rows to explain."""
     import pyarrow.parquet as pq
 
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     src = splits_dir / f"{split}.parquet"
     if not src.is_file():
@@ -232,7 +232,7 @@ def _complete(dst: Path) -> dict | None:
     import pyarrow.parquet as pq
     import yaml
 
-    from shared.spec import sidecar_path
+    from nla_grpo.shared.spec import sidecar_path
 
     try:
         rec = (yaml.safe_load(sidecar_path(dst).read_text(encoding="utf-8")) or {}).get("explanations") or {}
@@ -248,8 +248,8 @@ def _write_output(src: Path, side: Path, dst: Path, n: int, answers: dict[int, d
     import pyarrow.parquet as pq
     import yaml
 
-    from shared.fileio import atomic_write, write_text
-    from shared.spec import sidecar_path
+    from nla_grpo.shared.fileio import atomic_write, write_text
+    from nla_grpo.shared.spec import sidecar_path
 
     meta = yaml.safe_load(side.read_text(encoding="utf-8"))
     meta["row_count"] = record["rows_kept"]
@@ -378,7 +378,7 @@ def explain_splits(splits_dir, *, base_url: str, model: str, api: str = "openai"
                    progress: bool = True) -> dict:
     """Write ``<split>.explained.parquet`` (+ sidecar) for each of ``splits`` in ``splits_dir``; returns the
     usage ``{split: {rows_in, rows_kept, dropped, refusals, tokens_in, tokens_out}, "total": {...}}``."""
-    from evals.chat_client import ChatClient
+    from nla_grpo.evals.chat_client import ChatClient
 
     splits_dir = Path(splits_dir)
     for name, value, low in (("--concurrency", concurrency, 1), ("--max-rows", 1 if max_rows is None else max_rows, 1),
@@ -514,7 +514,7 @@ def explain_command(splits_dir, *, teacher: str | None = None, base_url: str | N
     teacher_arguments(teacher, base_url, model)
     with contextlib.ExitStack() as stack:
         if teacher == "fixture":
-            from dataprep.fixture_teacher import MODEL_NAME, FixtureTeacher
+            from nla_grpo.dataprep.fixture_teacher import MODEL_NAME, FixtureTeacher
 
             base_url, model, api = stack.enter_context(FixtureTeacher()).url, MODEL_NAME, "openai"
             log(f"[explain] teacher: the tiny fixture's rule (the explanation is the marked token), on {base_url}")

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import NlaInputError
-from shared.fileio import lock_directory, write_json
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.fileio import lock_directory, write_json
 
 AV_TEMPLATE = "Describe the concept <concept>{injection_char}</concept> in a few words."
 AR_TEMPLATE = "Explanation: {explanation}\nReconstruct the concept."
@@ -99,7 +99,7 @@ def iter_corpus(path: Path, text_column: str = "text"):
                 yield i, _doc_id(doc, stem, i), _text(text, path, i, text_column)
                 i += 1
         return
-    from shared.fileio import iter_jsonl
+    from nla_grpo.shared.fileio import iter_jsonl
 
     for i, (n, rec) in enumerate(iter_jsonl(path)):
         if text_column not in rec:
@@ -133,7 +133,7 @@ class Extractor:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from shared.model_facts import hf_config
+        from nla_grpo.shared.model_facts import hf_config
 
         config = hf_config(model_dir)
         text = getattr(config, "text_config", None) or config
@@ -159,7 +159,7 @@ class Extractor:
         """``[B, T, d]`` residuals of right-padded documents (float32, on the CPU)."""
         import torch
 
-        from shared.torch_utils import right_pad
+        from nla_grpo.shared.torch_utils import right_pad
 
         x, mask = right_pad(ids, 0, self.device)
         with torch.no_grad():
@@ -193,7 +193,7 @@ def _table(rows: list[dict], d: int, prompt):
 
 def _marker_tokens(tokenizer, marker: str, template: str) -> dict:
     """The marker's id and its neighbours in the rendered AV prompt (what the sidecar's tokens hold)."""
-    from shared.prompts import INJECT_PLACEHOLDER, render_av_ids
+    from nla_grpo.shared.prompts import INJECT_PLACEHOLDER, render_av_ids
 
     ids = tokenizer.encode(marker, add_special_tokens=False)
     if len(ids) != 1:
@@ -248,7 +248,7 @@ def run_chunks(job: ChunkJob, worker: int, workers: int, stop_after: int | None 
     import pyarrow.parquet as pq
     import torch
 
-    from shared.model_checks import load_tokenizer
+    from nla_grpo.shared.model_checks import load_tokenizer
 
     work = Path(job.work)
     tok = load_tokenizer(job.model)
@@ -303,7 +303,7 @@ def _run_on_ray(job: ChunkJob, workers: int, stop_after: int | None, progress) -
 
     import ray
 
-    from shared.ray_cluster import start_ray
+    from nla_grpo.shared.ray_cluster import start_ray
 
     start_ray()
     gpu = job.device.startswith("cuda")
@@ -344,8 +344,8 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     many chunks, as a kill would (for tests)."""
     import torch
 
-    from shared.model_checks import load_tokenizer, model_config_field
-    from shared.schema import resolve_scale
+    from nla_grpo.shared.model_checks import load_tokenizer, model_config_field
+    from nla_grpo.shared.schema import resolve_scale
 
     corpus, model_dir, out = Path(corpus), Path(model_dir), Path(out_dir)
     shares = parse_splits(splits)
@@ -424,7 +424,7 @@ def extract(corpus, model_dir, layer: int, out_dir, positions_per_doc: int = 10,
     import pyarrow.parquet as pq
     import yaml
 
-    from shared.schema import fve_baselines, resolve_scale
+    from nla_grpo.shared.schema import fve_baselines, resolve_scale
 
     marks = sorted(int(m.name.split("-")[1]) for m in (work / "done").glob("chunk-*"))
     for name in shares:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.fileio import write_json
+from nla_grpo.shared.fileio import write_json
 
 MARKER = "※"
 CONCEPT_OPEN, CONCEPT_CLOSE = "<concept>", "</concept>"
@@ -193,7 +193,7 @@ def write_confusion_records(path: Path, prompt, activations: np.ndarray, topics,
     """The karvonen-confusion records of the tiny fixture (``evals.karvonen_confusion.records``): per topic,
     ``per_topic`` activations from held-out documents, the topic as the quirk, the next topic as the
     distractor."""
-    from shared.data import is_eval_doc
+    from nla_grpo.shared.data import is_eval_doc
 
     names = sorted(TOPICS)
     lines = []
@@ -297,7 +297,7 @@ def learning_summary(rows: list[dict], window: int = 25) -> dict:
 
 def tiny_command(out_dir: str | Path, seed: int = 0, log=print) -> int:
     """``nla-grpo data tiny``: the fixture into ``out_dir``, which must be new or empty; returns 0."""
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -15,4 +15,4 @@ else
   "$VENV/bin/python" -m pip install -q -e '.[gpu,test]'
   venv_stamp
 fi
-"$VENV/bin/python" -m orchestrator.cli doctor --run-dir "${NLA_RUN_ROOT:-runs}"
+"$VENV/bin/python" -m nla_grpo.orchestrator.cli doctor --run-dir "${NLA_RUN_ROOT:-runs}"

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 BACKENDS = ("openai", "anthropic")
 DEFAULT_URLS = {"openai": "http://127.0.0.1:18001/v1", "anthropic": "https://api.anthropic.com"}

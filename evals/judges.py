@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from evals.chat_client import ANTHROPIC_VERSION, DEFAULT_CONCURRENCY, DEFAULT_URLS, RETRY_STATUS, ChatClient  # noqa: F401
+from nla_grpo.evals.chat_client import ANTHROPIC_VERSION, DEFAULT_CONCURRENCY, DEFAULT_URLS, RETRY_STATUS, ChatClient  # noqa: F401
 
 
 @dataclass

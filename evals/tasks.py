@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 SYSTEM = ("You check explanations that a language model wrote of one of its internal activations. Answer with one "
           "JSON object and nothing else.")
@@ -108,7 +108,7 @@ class KarvonenConfusionEval(JudgedEval):
 # ---- the items, chosen once before any actor starts ----------------------------------------------
 def source_texts(parquet: str, column: str, row_ids) -> list[str]:
     """The ``column`` strings of ``row_ids``; one line naming the parquet and the column when absent."""
-    from shared.data import read_text_column
+    from nla_grpo.shared.data import read_text_column
 
     return read_text_column(parquet, column, row_ids, f"evals.hallucination needs column '{column}' (the source text "
                             "behind each activation; evals.hallucination.text_column names another), found columns {names}",
@@ -117,12 +117,12 @@ def source_texts(parquet: str, column: str, row_ids) -> list[str]:
 
 def read_confusion_records(path: str, d_model: int) -> list[dict]:
     """The karvonen-confusion records, every line checked (one line naming the file, line and field)."""
-    from shared.prompts import INJECT_PLACEHOLDER
+    from nla_grpo.shared.prompts import INJECT_PLACEHOLDER
 
     p = Path(path)
     if not p.is_file():
         raise NlaInputError(p, "evals.karvonen_confusion.records: file not found")
-    from shared.fileio import iter_jsonl
+    from nla_grpo.shared.fileio import iter_jsonl
 
     out = []
     for n, rec in iter_jsonl(p):
@@ -148,7 +148,7 @@ def read_confusion_records(path: str, d_model: int) -> list[dict]:
 def build_evals(cfg, spec, tokenizer, eval_rows, prompt_ids, prompt_index_eval) -> list:
     """The enabled evals with their items (the hallucination eval's first rows of the eval split: the
     same every eval step)."""
-    from shared.prompts import find_marker_site, render_av_ids
+    from nla_grpo.shared.prompts import find_marker_site, render_av_ids
 
     evals = []
     ec = cfg.evals

@@ -9,10 +9,10 @@ class LearnerActor:
     """A ``learner.learner.Learner`` in the actor's process, behind plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, device: str = "cpu"):
-        from learner.learner import Learner
-        from shared.weight_sync import make_sender
+        from nla_grpo.learner.learner import Learner
+        from nla_grpo.shared.weight_sync import make_sender
 
-        from shared.collective import DataParallel
+        from nla_grpo.shared.collective import DataParallel
 
         self.learner = Learner(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
         # this process starts from an arbitrary RNG state (Ray seeds its workers at random): seed it, so the

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shared.adapter import ADAPTER_CONFIG
-from shared.adapter import ADAPTER_WEIGHTS as ADAPTER_FILE
+from nla_grpo.shared.adapter import ADAPTER_CONFIG
+from nla_grpo.shared.adapter import ADAPTER_WEIGHTS as ADAPTER_FILE
 
 CHECKPOINT_FORMAT = 1
 STATE_FILE = "learner_state.json"
@@ -27,7 +27,7 @@ REFERENCE_RECORD = "reference.json"  # where a checkpoint points at the run's fr
 
 def write_state(directory, step: int, version: int, injection_mode: str, micro_batch_tokens: int | None) -> None:
     """``learner_state.json``: what the tensors do not say."""
-    from shared.fileio import write_json
+    from nla_grpo.shared.fileio import write_json
 
     write_json(Path(directory) / STATE_FILE, {"format": CHECKPOINT_FORMAT, "step": step, "version": version,
                                               "injection_mode": injection_mode, "micro_batch_tokens": micro_batch_tokens})
@@ -35,7 +35,7 @@ def write_state(directory, step: int, version: int, injection_mode: str, micro_b
 
 def read_state(directory, injection_mode: str) -> dict:
     """``learner_state.json`` of a checkpoint this run can load: this format, this injection mode."""
-    from shared.fileio import read_json_object
+    from nla_grpo.shared.fileio import read_json_object
 
     d = Path(directory)
     if not (d / STATE_FILE).is_file():
@@ -53,8 +53,8 @@ def read_state(directory, injection_mode: str) -> dict:
 def save(learner, directory, reference: str | None = None) -> Path:
     """Policy adapter, optimiser state, RNG, step and version, atomically; the frozen reference adapter
     too, or, given ``reference`` (a directory ``save_reference`` wrote), a record pointing at it."""
-    from learner.policy import POLICY, REFERENCE
-    from shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
+    from nla_grpo.learner.policy import POLICY, REFERENCE
+    from nla_grpo.shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
 
     with atomic_directory(directory) as tmp:
         save_adapter(learner, POLICY, tmp / POLICY_DIR)
@@ -71,8 +71,8 @@ def save(learner, directory, reference: str | None = None) -> Path:
 
 def save_reference(learner, directory) -> Path:
     """The frozen reference adapter alone (written once per run; checkpoints then point at it)."""
-    from learner.policy import REFERENCE
-    from shared.fileio import atomic_directory
+    from nla_grpo.learner.policy import REFERENCE
+    from nla_grpo.shared.fileio import atomic_directory
 
     with atomic_directory(directory) as tmp:
         save_adapter(learner, REFERENCE, tmp, mkdir=False)
@@ -81,8 +81,8 @@ def save_reference(learner, directory) -> Path:
 
 def save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> None:
     """One of the learner's adapters as a PEFT directory (tensors, config, the injection record it reads)."""
-    from shared.fileio import save_tensors, write_json
-    from shared.injection import INJECTION_RECORD, injection_record
+    from nla_grpo.shared.fileio import save_tensors, write_json
+    from nla_grpo.shared.injection import INJECTION_RECORD, injection_record
 
     if mkdir:
         directory.mkdir()
@@ -94,7 +94,7 @@ def save_adapter(learner, name: str, directory: Path, mkdir: bool = True) -> Non
 def _load_adapter(learner, name: str, path: Path) -> None:
     import torch
 
-    from shared.fileio import load_tensors
+    from nla_grpo.shared.fileio import load_tensors
 
     tensors = load_tensors(path)
     live = learner.policy.adapter_parameters(name)
@@ -110,8 +110,8 @@ def _load_adapter(learner, name: str, path: Path) -> None:
 
 def load(learner, directory) -> None:
     """Restore a ``save``d state exactly (policy, reference, optimiser, RNG, step, version)."""
-    from learner.policy import POLICY, REFERENCE
-    from shared.fileio import load_optimizer, load_tensors, resolve_reference, restore_rng
+    from nla_grpo.learner.policy import POLICY, REFERENCE
+    from nla_grpo.shared.fileio import load_optimizer, load_tensors, resolve_reference, restore_rng
 
     d = Path(directory)
     state = read_state(d, learner.cfg.injection.mode)
@@ -132,7 +132,7 @@ def load(learner, directory) -> None:
 
 # ---- what leaves the learner between checkpoints: the pushed adapter, the state's fingerprint ----
 def peft_config(learner, name: str) -> dict:
-    from shared.fileio import jsonable
+    from nla_grpo.shared.fileio import jsonable
 
     return jsonable(learner.model.peft_config[name].to_dict())
 
@@ -147,9 +147,9 @@ def export_adapter(learner, device: str = "cpu"):
     """
     from peft import get_peft_model_state_dict
 
-    from learner.policy import POLICY
-    from shared.fileio import cpu_copy
-    from shared.types import AdapterUpdate
+    from nla_grpo.learner.policy import POLICY
+    from nla_grpo.shared.fileio import cpu_copy
+    from nla_grpo.shared.types import AdapterUpdate
 
     state = get_peft_model_state_dict(learner.model, adapter_name=POLICY)
     copy = {"cpu": cpu_copy, "same": lambda t: t.detach().clone().contiguous(), "live": lambda t: t.detach()}[device]

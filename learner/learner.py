@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from learner import checkpoint
-from learner.lora_compute import reusing_casts
-from learner.grpo import grpo_loss, logprob_mismatch, pad_rows, ragged_mismatch, tis_weights
-from learner.micro_batches import Item, MicroBatches, items_from
-from learner.policy import POLICY, REFERENCE, Policy
-from learner.update_metrics import (THROUGHPUT_KEYS, UpdateSums, base_parameter_count, executed_tokens,
+from nla_grpo.learner import checkpoint
+from nla_grpo.learner.lora_compute import reusing_casts
+from nla_grpo.learner.grpo import grpo_loss, logprob_mismatch, pad_rows, ragged_mismatch, tis_weights
+from nla_grpo.learner.micro_batches import Item, MicroBatches, items_from
+from nla_grpo.learner.policy import POLICY, REFERENCE, Policy
+from nla_grpo.learner.update_metrics import (THROUGHPUT_KEYS, UpdateSums, base_parameter_count, executed_tokens,
                                     update_throughput, warn_masked)
-from shared.collective import GradientSums
+from nla_grpo.shared.collective import GradientSums
 
 
 def sync_device(device: torch.device) -> None:
@@ -37,8 +37,8 @@ class Learner:
     """HF + PEFT policy trained with GRPO; see the module doc string for one update's shape."""
 
     def __init__(self, cfg, spec, device: str = "cpu", data_parallel=None):
-        from shared.collective import DataParallel
-        from shared.torch_utils import make_adamw
+        from nla_grpo.shared.collective import DataParallel
+        from nla_grpo.shared.torch_utils import make_adamw
 
         self.cfg, self.spec = cfg, spec
         self.device = torch.device(device)

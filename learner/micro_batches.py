@@ -75,9 +75,9 @@ class MicroBatches:
     def plan_budget(self, params, optimizer) -> int:
         """The budget ``micro_batch: auto`` would choose with the memory free now (every data-parallel rank calls
         it together); ``token_budget`` keeps the first one."""
-        from learner import kernels
-        from learner.memory_plan import plan_tokens
-        from learner.token_logprobs import CHUNK_BYTES
+        from nla_grpo.learner import kernels
+        from nla_grpo.learner.memory_plan import plan_tokens
+        from nla_grpo.learner.token_logprobs import CHUNK_BYTES
 
         model = self.policy.model
         elem = model.get_input_embeddings().weight.element_size()
@@ -101,7 +101,7 @@ class MicroBatches:
         gives ``(idx, batch)``."""
         mb = self.cfg.learner.micro_batch
         if self.policy.packed:
-            from learner.packing import build_rows, pack, plan_micro_batches
+            from nla_grpo.learner.packing import build_rows, pack, plan_micro_batches
 
             # an integer micro_batch bounds a row by what that many padded samples would hold, so a large
             # group never needs more memory than the padded path did; auto bounds it by the budget

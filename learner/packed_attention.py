@@ -72,7 +72,7 @@ def resolve(kind: str, device: torch.device, packed: bool, dtype: torch.dtype) -
     if kind == "auto":
         if not (packed and device.type == "cuda"):
             return "sdpa"
-        from learner import varlen_attention
+        from nla_grpo.learner import varlen_attention
 
         return "varlen" if dtype in (torch.bfloat16, torch.float16) and varlen_attention.available() else "flex"
     if kind in ("flex", "varlen") and not packed:

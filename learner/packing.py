@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.varlen_attention import layout as varlen_layout
+from nla_grpo.learner.varlen_attention import layout as varlen_layout
 
 # rows are padded to a multiple of this: the memory-efficient attention kernel wants aligned masks
 ALIGN = 16

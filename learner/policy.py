@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.packing import PackedBatch, unpack_tokens
-from learner.token_logprobs import token_logprobs
-from shared.injection import KarvonenHook, embed_batch, embed_norm
+from nla_grpo.learner.packing import PackedBatch, unpack_tokens
+from nla_grpo.learner.token_logprobs import token_logprobs
+from nla_grpo.shared.injection import KarvonenHook, embed_batch, embed_norm
 
 POLICY = "default"
 REFERENCE = "reference"
@@ -38,7 +38,7 @@ class MicroBatch:
 def pad_batch(prompts: list[list[int]], responses: list[list[int]], sites: list[int], vectors: torch.Tensor,
               pad_id: int, device) -> MicroBatch:
     """Right-pad ``prompt + response`` rows; padding is masked out of attention and never scored."""
-    from shared.torch_utils import right_pad
+    from nla_grpo.shared.torch_utils import right_pad
 
     ids, attn = right_pad([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
     return MicroBatch(
@@ -96,7 +96,7 @@ def load_base_model(cfg, device):
     """The frozen base LLM in the configured dtype (NF4 through ``shared.quantization`` on request, GPU only)."""
     from transformers import AutoModelForCausalLM
 
-    from shared.torch_utils import resolve_dtype
+    from nla_grpo.shared.torch_utils import resolve_dtype
 
     dtype = resolve_dtype(cfg.model.dtype, device)
     gc = cfg.learner.gradient_checkpointing
@@ -107,7 +107,7 @@ def load_base_model(cfg, device):
         kwargs["attn_implementation"] = "eager"
     quantized = cfg.model.quantization != "none"
     if quantized:
-        from shared.quantization import hf_quantization_kwargs, require_gpu
+        from nla_grpo.shared.quantization import hf_quantization_kwargs, require_gpu
 
         require_gpu(cfg.model.quantization, device)
         kwargs.update(hf_quantization_kwargs(cfg.model.quantization, dtype, cfg.model.path))
@@ -138,7 +138,7 @@ def freeze_base(model, checkpointing: bool, fp32_modules: bool = False):
 
 
 def _check_adapter_targets(peft_config, where: str) -> None:
-    from shared.adapter import linear_only_problem
+    from nla_grpo.shared.adapter import linear_only_problem
 
     problem = linear_only_problem(peft_config.target_modules, getattr(peft_config, "modules_to_save", None))
     if problem:
@@ -228,7 +228,7 @@ class Policy:
         self.attention = "sdpa"
         self._dense_attention = self.model.get_base_model().config._attn_implementation  # sdpa, or eager on the CPU
         self.use_forward(cfg.learner.forward)
-        from learner import kernels
+        from nla_grpo.learner import kernels
 
         self.kernels = kernels.resolve(cfg.learner.kernels, self.device)
         kernels.install(self.model, self.kernels)
@@ -236,7 +236,7 @@ class Policy:
     def use_forward(self, kind: str) -> None:
         """``packed`` (fused LoRA, shared-prefix rows, chunked head) or ``padded`` (PEFT's forward, padded rows);
         the packed rows' attention as ``learner.attention`` resolves (``learner.packed_attention``)."""
-        from learner import lora_compute, packed_attention
+        from nla_grpo.learner import lora_compute, packed_attention
 
         config = self.model.get_base_model().config
         config._attn_implementation = self._dense_attention
@@ -255,7 +255,7 @@ class Policy:
         if self.attention == "flex":
             config._attn_implementation = packed_attention.register()
         elif self.attention == "varlen":
-            from learner import varlen_attention
+            from nla_grpo.learner import varlen_attention
 
             config._attn_implementation = varlen_attention.register()
 
@@ -316,7 +316,7 @@ class Policy:
         lm = self.model.get_base_model()
         mask = batch.attention_mask
         if self.attention == "flex":
-            from learner.packed_attention import block_mask
+            from nla_grpo.learner.packed_attention import block_mask
 
             if mask is None:  # built once per micro-batch, for the policy's forward and the reference's
                 mask = batch.attention_mask = block_mask(batch.segments)
@@ -325,7 +325,7 @@ class Policy:
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
         common = dict(attention_mask=mask, position_ids=batch.position_ids, use_cache=False)
         if self.attention == "varlen":
-            from learner.varlen_attention import KWARG
+            from nla_grpo.learner.varlen_attention import KWARG
 
             if batch.varlen is None:
                 raise RuntimeError("learner.attention varlen: the micro-batch was packed without its layout")

@@ -1,7 +1,7 @@
 """From samples to rewards: which responses count as explanations, and what each one earns."""
 from __future__ import annotations
 
-from shared.schema import EXPLANATION_CLOSE, EXPLANATION_OPEN, extract_explanation, reward_from_mse
+from nla_grpo.shared.schema import EXPLANATION_CLOSE, EXPLANATION_OPEN, extract_explanation, reward_from_mse
 
 
 def explanation_for(text: str, finish_reason: str, marker_echo: bool, cap_is_failure: bool = True) -> str | None:

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 
 from nla_grpo.parts import EXPORT_RECORD, locate
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 EXPORT_FORMAT = "nla-grpo-export"
 
@@ -48,7 +48,7 @@ def _merge_verbalizer(parts, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from shared.torch_utils import resolve_dtype
+    from nla_grpo.shared.torch_utils import resolve_dtype
 
     dtype = resolve_dtype(parts.cfg.model.dtype, "cpu")  # merged on the CPU: auto is float32 there
     bars = hf_logging.is_progress_bar_enabled()
@@ -69,8 +69,8 @@ def _merge_verbalizer(parts, out: Path) -> None:
 
 def _official_ar(critic: Path, out: Path) -> str | None:
     """The AR-LoRA layout of a LoRA critic; None (and why) for one trained in full."""
-    from critic.checkpoint import WEIGHTS_NAME, read_meta
-    from shared.fileio import load_tensors, save_tensors, write_json
+    from nla_grpo.critic.checkpoint import WEIGHTS_NAME, read_meta
+    from nla_grpo.shared.fileio import load_tensors, save_tensors, write_json
 
     meta = read_meta(critic)
     if meta.lora_r == 0:
@@ -98,7 +98,7 @@ def _official_ar(critic: Path, out: Path) -> str | None:
 def export(nla_path, out, log=print) -> Path:
     import yaml
 
-    from shared.fileio import atomic_directory, write_json
+    from nla_grpo.shared.fileio import atomic_directory, write_json
 
     out = Path(out)
     if out.exists():

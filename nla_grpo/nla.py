@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from nla_grpo.parts import NlaParts, from_parts, locate
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 # sampling seeds: position p of document d, sample j -> one request id, the same in every run and resume
 _DOC_STRIDE, _SAMPLE_STRIDE = 1 << 20, 1 << 40
@@ -91,7 +91,7 @@ class NLA:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from shared.model_checks import load_tokenizer
+            from nla_grpo.shared.model_checks import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.parts.subject)
         return self._tokenizer
@@ -108,11 +108,11 @@ class NLA:
             # an engine on its own (placement split): its share is the one set above, not a training step's plan
             cfg = self.cfg.model_copy(update={"rollout": rollout, "placement": self.cfg.placement.model_copy(update={"mode": "split"})})
             if self.backend == "vllm":
-                from rollout.vllm.engine import VllmEngine
+                from nla_grpo.rollout.vllm.engine import VllmEngine
 
                 self._engine = VllmEngine(cfg, self.spec, self.device)
             else:
-                from rollout.hf_engine import HfEngine
+                from nla_grpo.rollout.hf_engine import HfEngine
 
                 self._engine = HfEngine(cfg, self.spec, self.device)
             if self.parts.adapter is not None:
@@ -124,7 +124,7 @@ class NLA:
     @property
     def critic(self):
         if self._critic is None:
-            from critic.scoring import Critic
+            from nla_grpo.critic.scoring import Critic
 
             # the reconstructor's backbone is the subject model's (an export's verbaliser is merged: not its base)
             cfg = self.cfg.model_copy(update={"model": self.cfg.model.model_copy(update={"path": str(self.parts.subject)})})
@@ -134,7 +134,7 @@ class NLA:
     def _prompt_ids(self) -> tuple[list[int], int]:
         """The AV prompt (the sidecar's template, the run's chat template and prefill) and its marker site."""
         if self._prompt is None:
-            from shared.prompts import INJECT_PLACEHOLDER, find_marker_site, render_av_ids
+            from nla_grpo.shared.prompts import INJECT_PLACEHOLDER, find_marker_site, render_av_ids
 
             messages = [{"role": "user", "content": self.spec.av_template.format(injection_char=INJECT_PLACEHOLDER)}]
             ids = render_av_ids(self.tokenizer, messages, self.spec.marker, self.cfg.rollout.prefill, self.cfg.prompts.enable_thinking)
@@ -161,8 +161,8 @@ class NLA:
         ``ids``: one integer per vector naming its sampling stream (default 0..n-1)."""
         import torch
 
-        from learner.reward import explanation_for
-        from shared.types import PromptRequest
+        from nla_grpo.learner.reward import explanation_for
+        from nla_grpo.shared.types import PromptRequest
 
         v = self._check_vectors(vectors)
         if samples < 1:
@@ -177,7 +177,7 @@ class NLA:
     def reconstruct(self, texts: list[str]) -> np.ndarray:
         """The reconstructor's vector for each explanation, at the norm its MSE compares (NaN rows where a text
         is empty or too long for it)."""
-        from shared.schema import normalize_activation
+        from nla_grpo.shared.schema import normalize_activation
 
         ids = self.critic.encode(list(texts))
         out = np.full((len(ids), self.spec.d_model), np.nan, dtype=np.float32)
@@ -203,8 +203,8 @@ class NLA:
         if self._extractor is None:
             import torch
 
-            from dataprep.extract import Extractor
-            from shared.torch_utils import resolve_dtype
+            from nla_grpo.dataprep.extract import Extractor
+            from nla_grpo.shared.torch_utils import resolve_dtype
 
             self._extractor = Extractor(self.parts.subject, self.spec.layer_index, self.device,
                                         resolve_dtype(self.cfg.model.dtype, self.device) if self.cfg.model.dtype != "auto" else torch.float32)
@@ -212,7 +212,7 @@ class NLA:
 
     def tokens(self, text: str) -> list[int]:
         """A document's token ids as extraction reads it (special tokens added, cut at ``max_tokens``)."""
-        from shared.prompts import as_ids
+        from nla_grpo.shared.prompts import as_ids
 
         return as_ids(self.tokenizer(text, add_special_tokens=True, truncation=True, max_length=self.max_tokens)["input_ids"])
 
@@ -266,8 +266,8 @@ def read_adapter(path: Path, version: int):
 
     from safetensors.torch import load_file
 
-    from shared.adapter import AdapterDir
-    from shared.types import AdapterUpdate
+    from nla_grpo.shared.adapter import AdapterDir
+    from nla_grpo.shared.types import AdapterUpdate
 
     adapter = AdapterDir.read(path, "verbaliser adapter")
     adapter.check_files("verbaliser adapter")

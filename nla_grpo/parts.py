@@ -17,7 +17,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 EXPORT_RECORD = "nla_export.json"
 
@@ -54,7 +54,7 @@ def sidecar_baseline(spec, rows: int = 4000) -> float:
     ``rows`` of the parquet the sidecar sits beside)."""
     import yaml
 
-    from shared.spec import SIDECAR_SUFFIX
+    from nla_grpo.shared.spec import SIDECAR_SUFFIX
 
     raw = yaml.safe_load(Path(spec.path).read_text(encoding="utf-8")) or {}
     value = (raw.get("fve_baseline") or {}).get("rawvar") if isinstance(raw.get("fve_baseline"), dict) else None
@@ -62,8 +62,8 @@ def sidecar_baseline(spec, rows: int = 4000) -> float:
     if value is None and str(spec.path).endswith(SIDECAR_SUFFIX) and parquet.is_file():
         import torch
 
-        from shared.data import read_rows, split_eval
-        from shared.schema import fve_baselines
+        from nla_grpo.shared.data import read_rows, split_eval
+        from nla_grpo.shared.schema import fve_baselines
 
         train, _ = split_eval(read_rows(parquet, spec.d_model), 0.1)
         value = fve_baselines(torch.from_numpy(train.activations[:rows]), spec.mse_scale)[1]
@@ -73,7 +73,7 @@ def sidecar_baseline(spec, rows: int = 4000) -> float:
 
 
 def _spec_for(cfg):
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     if not Path(cfg.data.parquet or "").is_file() and not cfg.data.sidecar:
         raise NlaInputError(cfg.data.parquet, "data parquet not found (the NLA's run reads its sidecar for the marker, templates and layer)")
@@ -81,7 +81,7 @@ def _spec_for(cfg):
 
 
 def _checkpoint_critic(ckpt: Path, cfg) -> Path:
-    from critic.checkpoint import FROZEN_RECORD, META_NAME
+    from nla_grpo.critic.checkpoint import FROZEN_RECORD, META_NAME
 
     if (ckpt / "critic" / META_NAME).is_file():
         return ckpt / "critic"
@@ -92,7 +92,7 @@ def _checkpoint_critic(ckpt: Path, cfg) -> Path:
 
 
 def _run_parts(run: Path, source: str) -> NlaParts:
-    from orchestrator.run_dir import RunDir
+    from nla_grpo.orchestrator.run_dir import RunDir
 
     cfg_path = run / "config.yaml"
     if not cfg_path.is_file():
@@ -115,10 +115,10 @@ def _run_parts(run: Path, source: str) -> NlaParts:
 
 
 def _export_parts(root: Path) -> NlaParts:
-    from shared.config import load_config
-    from shared.spec import load_spec
+    from nla_grpo.shared.config import load_config
+    from nla_grpo.shared.spec import load_spec
 
-    from shared.fileio import read_json_object
+    from nla_grpo.shared.fileio import read_json_object
 
     record = read_json_object(root / EXPORT_RECORD)
     if record.get("format") != "nla-grpo-export" or not isinstance(record.get("fve_baseline"), (int, float)):
@@ -140,7 +140,7 @@ def _official_critic(ar_dir: Path, subject: Path) -> Path:
     import shutil
     import tempfile
 
-    from critic.import_reference import import_reference_ar
+    from nla_grpo.critic.import_reference import import_reference_ar
 
     tmp = Path(tempfile.mkdtemp(prefix="nla-ar-"))
     atexit.register(shutil.rmtree, tmp, True)
@@ -160,8 +160,8 @@ def _pair_parts(root: Path) -> NlaParts:
     or the AR-LoRA ``root/ar``), without this project's record: settings from the sidecar, the rest defaults."""
     import yaml
 
-    from shared.config import build_config
-    from shared.spec import load_spec
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec
 
     verbalizer = root / "verbalizer"
     spec = load_spec(verbalizer / "nla_meta.yaml")
@@ -210,10 +210,10 @@ def from_parts(adapter, critic, sidecar, model=None, config=None) -> NlaParts:
     """An NLA from an AV adapter directory, a critic checkpoint and the data sidecar it was trained on. ``model``:
     the subject model (default: the critic's ``base_model``); ``config``: the run config whose prompts, sampling
     and stops to use (default: the project's defaults with the adapter's injection record)."""
-    from shared.config import build_config, load_config
-    from shared.spec import load_spec
+    from nla_grpo.shared.config import build_config, load_config
+    from nla_grpo.shared.spec import load_spec
 
-    from critic.checkpoint import read_meta
+    from nla_grpo.critic.checkpoint import read_meta
 
     adapter, critic = Path(adapter), Path(critic)
     spec = load_spec(sidecar)
@@ -244,9 +244,9 @@ def from_parts(adapter, critic, sidecar, model=None, config=None) -> NlaParts:
 
 def check_parts(parts: NlaParts) -> None:
     """The verbaliser, the reconstructor and the sidecar must describe one subject model, layer and width."""
-    from critic.checkpoint import read_meta
-    from shared.adapter import AdapterDir
-    from shared.model_checks import model_config_field
+    from nla_grpo.critic.checkpoint import read_meta
+    from nla_grpo.shared.adapter import AdapterDir
+    from nla_grpo.shared.model_checks import model_config_field
 
     spec = parts.spec
     if not parts.critic.is_dir():

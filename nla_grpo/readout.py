@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 JOURNAL_DIR = ".read"
 READOUT, DOCUMENTS, PAGE = "readout.parquet", "documents.parquet", "readout.html"
@@ -57,7 +57,7 @@ def _documents(args) -> list[tuple[str, str]]:
         if not text.strip():
             raise NlaInputError(args.text, "empty text")
         return [(name, text)]
-    from dataprep.extract import iter_corpus
+    from nla_grpo.dataprep.extract import iter_corpus
 
     docs = []
     for i, doc_id, text in iter_corpus(Path(args.corpus), args.text_column):
@@ -104,7 +104,7 @@ class Journal:
 
     def start(self, settings: dict) -> None:
         if not self.settings_path.is_file():
-            from shared.fileio import write_json
+            from nla_grpo.shared.fileio import write_json
 
             self.dir.mkdir(parents=True, exist_ok=True)
             write_json(self.settings_path, settings)
@@ -134,7 +134,7 @@ class Progress:
         rate = self.positions / max(now - self.t0, 1e-9)
         share = docs_done / max(self.total, 1)
         left = (now - self.t0) / share - (now - self.t0) if share > 0 else float("nan")
-        from orchestrator.driver import clock
+        from nla_grpo.orchestrator.driver import clock
 
         bar = "#" * round(20 * share) + "." * (20 - round(20 * share))
         line = (f"[read] [{bar}] {docs_done}/{self.total} documents | {self.positions} positions | {rate:.1f} positions/s"
@@ -172,7 +172,7 @@ def readout_table(records: list[dict]):
 
 def run_read(args, log=print) -> int:
     from nla_grpo.nla import NLA, parse_positions, positions_of
-    from shared.ray_cluster import quiet_env
+    from nla_grpo.shared.ray_cluster import quiet_env
 
     quiet = quiet_env()  # vLLM's start-up chatter and library warnings, as in a run's services (NLA_GRPO_VERBOSE=1 keeps them)
     os.environ.update(quiet)

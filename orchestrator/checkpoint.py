@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from learner.checkpoint import REFERENCE_RECORD
-from learner.checkpoint import STATE_FILE as LEARNER_STATE
-from shared.errors import NlaInputError
+from nla_grpo.learner.checkpoint import REFERENCE_RECORD
+from nla_grpo.learner.checkpoint import STATE_FILE as LEARNER_STATE
+from nla_grpo.shared.errors import NlaInputError
 
 STATE_FILE = "state.json"
 POLICY_DIR, CRITIC_DIR = "policy", "critic"
@@ -27,7 +27,7 @@ PENDING_FILE = "pending_rollout.json"
 
 def required_parts() -> tuple:
     """What every checkpoint holds: each a file, or one of several (a frozen critic is a record, not a copy)."""
-    from critic.checkpoint import FROZEN_RECORD, META_NAME  # imports torch: only when a checkpoint is checked
+    from nla_grpo.critic.checkpoint import FROZEN_RECORD, META_NAME  # imports torch: only when a checkpoint is checked
 
     return STATE_FILE, f"{POLICY_DIR}/{LEARNER_STATE}", (f"{CRITIC_DIR}/{META_NAME}", FROZEN_RECORD)
 
@@ -45,7 +45,7 @@ class RunState:
     imported_from: str | None = None
 
     def write(self, ckpt: Path) -> None:
-        from shared.fileio import write_json
+        from nla_grpo.shared.fileio import write_json
 
         state = asdict(self)
         if self.imported_from is None:
@@ -55,7 +55,7 @@ class RunState:
     @classmethod
     def read(cls, ckpt: Path) -> "RunState":
         """The checkpoint's state; one line naming the file and the field when it is not one."""
-        from shared.fileio import read_json_object
+        from nla_grpo.shared.fileio import read_json_object
 
         path = Path(ckpt) / STATE_FILE
         raw = read_json_object(path)
@@ -85,7 +85,7 @@ def checkpoint_problem(ckpt: Path, required: tuple | None = None) -> str | None:
 
     from safetensors import safe_open
 
-    from shared.fileio import resolve_reference
+    from nla_grpo.shared.fileio import resolve_reference
 
     for part in required or required_parts():
         options = (part,) if isinstance(part, str) else part

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--injection-char", default="※", help="the marker character (one token in the tokenizer)")
     de.add_argument("--injection-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
     de.add_argument("--mse-scale", default="sqrt_d_model", help="recorded in the sidecar: a number, sqrt_d_model or raw")
-    from dataprep.explain import add_arguments as explain_arguments
+    from nla_grpo.dataprep.explain import add_arguments as explain_arguments
 
     explain_arguments(dsub.add_parser("explain", help="a teacher LLM's explanation for every row of the av_sft and ar_sft "
                                                       "splits -> <split>.explained.parquet (resumable)"))
@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _data_tiny(args) -> int:
-    from dataprep.tiny import tiny_command
+    from nla_grpo.dataprep.tiny import tiny_command
 
     return tiny_command(args.out_dir, seed=args.seed)
 
@@ -152,18 +152,18 @@ def _data_tiny(args) -> int:
 def _data_check(args) -> int:
     from pathlib import Path
 
-    from dataprep.check import check_dataset
+    from nla_grpo.dataprep.check import check_dataset
 
     if args.config is None:
         if args.set:
-            from shared.errors import NlaInputError
+            from nla_grpo.shared.errors import NlaInputError
 
             raise NlaInputError("data check", "--set needs --config")
         check_dataset(args.parquet, args.sidecar, args.model, args.eval_fraction)
         return 0
-    from dataprep.check import report
-    from orchestrator.job import absolute_paths, prepare_job
-    from shared.config import load_config
+    from nla_grpo.dataprep.check import report
+    from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+    from nla_grpo.shared.config import load_config
 
     here = [f"data.parquet={Path(args.parquet).resolve()}"]
     here += [f"data.sidecar={Path(args.sidecar).resolve()}"] if args.sidecar else []
@@ -179,14 +179,14 @@ def _data_check(args) -> int:
 def _config_check(args) -> int:
     from pathlib import Path
 
-    from orchestrator.job import absolute_paths, prepare_job
-    from shared.config import dump_config, load_config
+    from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+    from nla_grpo.shared.config import dump_config, load_config
 
     cfg = absolute_paths(load_config(args.config, args.set), Path.cwd())
     elsewhere = _not_on_this_machine(cfg)
     if elsewhere:  # checked off the node (before `ray job submit`): the schema and the rules, and no more
         if args.gpu_gib is not None:
-            from shared.errors import NlaInputError
+            from nla_grpo.shared.errors import NlaInputError
 
             raise NlaInputError("--gpu-gib", f"the memory plan reads the model's config.json and weight sizes: "
                                              f"{elsewhere[0]} is not on this machine")
@@ -201,8 +201,8 @@ def _config_check(args) -> int:
     ok = (f"ok: {args.config}: {cfg.grpo.steps} steps of {cfg.grpo.prompts_per_step} prompts x {cfg.rollout.group_size} "
           f"samples over {len(job.train)} training rows ({len(job.eval)} held out), placement {cfg.placement.mode}")
     if args.gpu_gib is not None:
-        from orchestrator.memory_budget import plan_colocated, summary
-        from shared.errors import NlaInputError
+        from nla_grpo.orchestrator.memory_budget import plan_colocated, summary
+        from nla_grpo.shared.errors import NlaInputError
 
         if cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm":
             raise NlaInputError("--gpu-gib", f"the memory plan is a colocated vLLM run's: found placement.mode "
@@ -230,7 +230,7 @@ def _not_on_this_machine(cfg) -> list[str]:
 
 
 def _sft(args) -> int:
-    from orchestrator.sft_run import done_line, run_sft
+    from nla_grpo.orchestrator.sft_run import done_line, run_sft
 
     stage = args.sft_cmd
     last = run_sft(stage, args.config, args.run_dir, args.resume, args.steps, args.set, log=lambda m: print(m, flush=True))
@@ -242,12 +242,12 @@ def _resume_hint(args, run_path) -> str:
     """How to continue after an interrupt, true of what this command had written when it stopped."""
     import shlex
 
-    from orchestrator import pipeline
+    from nla_grpo.orchestrator import pipeline
 
     if pipeline.RUNNING or args.cmd == "pipeline":
         return "the same `nla-grpo pipeline` command continues: finished stages are skipped and this one goes on where it stopped"
     if args.cmd == "data" and args.data_cmd == "explain":
-        from dataprep.explain import journaled_rows
+        from nla_grpo.dataprep.explain import journaled_rows
 
         rows = journaled_rows(args.splits_dir)
         if rows:
@@ -272,15 +272,15 @@ def _resume_hint(args, run_path) -> str:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    from orchestrator.driver import stop_on_signals
-    from shared.errors import NlaInputError
+    from nla_grpo.orchestrator.driver import stop_on_signals
+    from nla_grpo.shared.errors import NlaInputError
 
     try:
         stop_on_signals()  # SIGTERM ends every command as Ctrl-C does: one line and 143, never a silent kill
         if args.cmd == "data" and args.data_cmd == "tiny":
             return _data_tiny(args)
         if args.cmd == "data" and args.data_cmd == "extract":
-            from dataprep.extract import extract
+            from nla_grpo.dataprep.extract import extract
 
             written = extract(args.corpus, args.model, args.layer, args.out, args.positions_per_doc, args.min_position,
                               args.max_docs, args.splits, args.seed, args.max_tokens, args.batch_size, args.chunk_docs,
@@ -291,13 +291,13 @@ def main(argv=None) -> int:
                   f"--set data.parquet={written.get('rl', args.out)} --set model.path={args.model}")
             return 0
         if args.cmd == "data" and args.data_cmd == "explain":
-            from dataprep.explain import run as explain
+            from nla_grpo.dataprep.explain import run as explain
 
             return explain(args, log=lambda m: print(m, flush=True))
         if args.cmd == "data" and args.data_cmd == "check":
             return _data_check(args)
         if args.cmd == "train":
-            from orchestrator.rl_run import run_rl
+            from nla_grpo.orchestrator.rl_run import run_rl
 
             return run_rl(args.config, args.run_dir, args.resume, args.steps, args.set)
         if args.cmd == "sft":
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
         if args.cmd == "config" and args.config_cmd == "check":
             return _config_check(args)
         if args.cmd == "critic" and args.critic_cmd == "import-reference":
-            from critic.import_reference import import_reference_ar
+            from nla_grpo.critic.import_reference import import_reference_ar
 
             meta = import_reference_ar(args.ar_dir, args.out_dir, args.model)
             print(f"wrote {args.out_dir}: {meta.num_layers} blocks, LoRA r={meta.lora_r} alpha={meta.lora_alpha} on "
@@ -315,16 +315,16 @@ def main(argv=None) -> int:
                   + (" (its final norm kept, as it was trained)" if meta.final_norm else ""))
             return 0
         if args.cmd == "import-run":
-            from orchestrator.import_run import import_run
+            from nla_grpo.orchestrator.import_run import import_run
 
             import_run(args.iter_dir, args.av_sft, args.config, args.run_dir, args.set, log=lambda m: print(m, flush=True))
             return 0
         if args.cmd == "pipeline":
-            from orchestrator.pipeline import run_pipeline
+            from nla_grpo.orchestrator.pipeline import run_pipeline
 
             return run_pipeline(args.pipeline, args.run_dir, args.set)
         if args.cmd == "doctor":
-            from orchestrator.doctor import doctor
+            from nla_grpo.orchestrator.doctor import doctor
 
             return doctor(args.run_dir, args.ray_timeout)
         if args.cmd == "read":
@@ -338,7 +338,7 @@ def main(argv=None) -> int:
             print(f"next: nla-grpo read {out} --text FILE --out DIR")
             return 0
         if args.cmd == "plot":
-            from orchestrator.plot import write_plots
+            from nla_grpo.orchestrator.plot import write_plots
 
             print(write_plots(args.run_dir))
             return 0
@@ -347,9 +347,9 @@ def main(argv=None) -> int:
             print(f"nla-grpo: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
-        from orchestrator.driver import interrupted_by
+        from nla_grpo.orchestrator.driver import interrupted_by
 
-        from orchestrator.run_dir import RunDir
+        from nla_grpo.orchestrator.run_dir import RunDir
 
         where = str(exc) if str(exc).startswith(("step ", "starting")) else f"interrupted ({interrupted_by(exc)})"
         print(f"nla-grpo: error: {where}; {_resume_hint(args, RunDir.current)}", file=sys.stderr)
@@ -357,8 +357,8 @@ def main(argv=None) -> int:
     except Exception as exc:
         import os
 
-        from orchestrator.driver import StepError
-        from shared.errors import one_line
+        from nla_grpo.orchestrator.driver import StepError
+        from nla_grpo.shared.errors import one_line
 
         if os.environ.get("NLA_GRPO_TRACEBACK"):
             raise

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from shared.ray_cluster import PROJECT_ROOT
+from nla_grpo.shared.ray_cluster import PROJECT_ROOT
 
 REQUIRED = ("torch", "transformers", "peft", "ray", "pyarrow", "safetensors")
 GIB = 1024 ** 3

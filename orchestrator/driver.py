@@ -13,17 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.groups import RankFailure
-from orchestrator.health import HealthWatch, empty_share
-from orchestrator.job import Job
-from learner.reward import explanation_for, rewards_for
-from orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
-from orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
-from orchestrator.metrics import StepTimeline, eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
-from orchestrator.run_dir import RunDir
-from orchestrator.weight_push import AdapterPush
-from shared.data import ShuffledOrder, make_order, order_from_state
-from shared.types import PromptRequest
+from nla_grpo.orchestrator.groups import RankFailure
+from nla_grpo.orchestrator.health import HealthWatch, empty_share
+from nla_grpo.orchestrator.job import Job
+from nla_grpo.learner.reward import explanation_for, rewards_for
+from nla_grpo.orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
+from nla_grpo.orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
+from nla_grpo.orchestrator.metrics import StepTimeline, eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.orchestrator.weight_push import AdapterPush
+from nla_grpo.shared.data import ShuffledOrder, make_order, order_from_state
+from nla_grpo.shared.types import PromptRequest
 
 TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
 
@@ -57,7 +57,7 @@ def startup_error(exc: BaseException) -> BaseException:
     cause (``shared.actors`` carries it), anything else by its innermost cause."""
     import ray.exceptions
 
-    from shared.errors import actor_class, actor_death, one_line
+    from nla_grpo.shared.errors import actor_class, actor_death, one_line
 
     if isinstance(exc, KeyboardInterrupt):
         return StepInterrupted(f"starting the services: interrupted ({interrupted_by(exc)})")
@@ -71,7 +71,7 @@ def _step_error(exc: BaseException, step: int, phase: str, services) -> BaseExce
     everywhere a user sees it), the phase, which service for a dead actor, and the innermost cause's own text."""
     import ray.exceptions
 
-    from shared.errors import actor_death, one_line
+    from nla_grpo.shared.errors import actor_death, one_line
 
     where = f"step {step} ({phase})"
     if isinstance(exc, (StepError, StepInterrupted)) and str(exc).startswith("step "):
@@ -158,7 +158,7 @@ def _judged_evals(services, job: Job, step: int, run: RunDir, log) -> tuple[dict
     (the first of its group), its explanation, the judge's verdict."""
     import torch
 
-    from evals.tasks import run_evals
+    from nla_grpo.evals.tasks import run_evals
 
     cfg, g = job.cfg, job.cfg.rollout.group_size
 
@@ -188,7 +188,7 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     adapter is written once into the run directory and a frozen critic is the one the config builds;
     the checkpoint records their SHA-256.
     """
-    from critic.checkpoint import FROZEN_RECORD, write_frozen_record
+    from nla_grpo.critic.checkpoint import FROZEN_RECORD, write_frozen_record
 
     cfg = job.cfg
     tmp = run.checkpoint_tmp(step)
@@ -222,7 +222,7 @@ def resolve_sleep(cfg, learner, log=print) -> bool:
     """``rollout.sleep_during_update: auto`` left to the start (the batch alone does not call for sleeping): decided
     with the services up and the engines awake, from the micro-batch budget the learner would plan now
     (``shared.config.sleep_pays_for_budget``); logged once."""
-    from shared.config import SLEEP_BELOW_GROUPS, least_awake_tokens, sleep_pays_for_budget
+    from nla_grpo.shared.config import SLEEP_BELOW_GROUPS, least_awake_tokens, sleep_pays_for_budget
 
     awake, kept = learner.planned_tokens()
     sleep = sleep_pays_for_budget(cfg, awake, kept)
@@ -241,7 +241,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
     """Run steps until ``cfg.grpo.steps``; returns the last metrics row."""
     import torch
 
-    from learner.grpo import group_advantages
+    from nla_grpo.learner.grpo import group_advantages
 
     import ray
 

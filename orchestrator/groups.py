@@ -66,7 +66,7 @@ class RankGroup:
     def _describe(self, rank: int, exc: Exception) -> str:
         import ray.exceptions
 
-        from shared.errors import actor_death, one_line
+        from nla_grpo.shared.errors import actor_death, one_line
 
         where = f"{self.name} rank {rank} of {len(self.actors)}"
         if isinstance(exc, ray.exceptions.RayActorError):

@@ -23,8 +23,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from shared.errors import NlaInputError
+from nla_grpo.shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from nla_grpo.shared.errors import NlaInputError
 
 TRAINING_STATE = "training_state.pt"
 ADAPTER_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
@@ -81,7 +81,7 @@ def adapter_order(adapter: Path, model_dir: Path) -> list[str]:
 
     from safetensors import safe_open
 
-    from shared.model_checks import _linear_modules
+    from nla_grpo.shared.model_checks import _linear_modules
 
     position = {name: i for i, name in enumerate(_linear_modules(str(model_dir)))}
     with safe_open(str(adapter / ADAPTER_WEIGHTS), framework="pt") as f:
@@ -126,7 +126,7 @@ def _actor_optimizer(state: dict, names: list[str], sizes: dict[str, int], lr: f
 
 def _check_anchor(iter_dir: Path, av_sft: Path) -> None:
     """``ITER_DIR/reference/`` (where the reference trainer saved its KL anchor) holds the ``--av-sft`` tensors."""
-    from shared.fileio import load_tensors
+    from nla_grpo.shared.fileio import load_tensors
 
     saved = iter_dir / "reference" / ADAPTER_WEIGHTS
     if not saved.is_file():
@@ -139,7 +139,7 @@ def _check_anchor(iter_dir: Path, av_sft: Path) -> None:
 
 def import_run(iter_dir, av_sft, config, run_dir, overrides=(), log=print) -> Path:
     """Write ``run_dir`` (removed again if anything fails); returns its checkpoint directory."""
-    from orchestrator.run_dir import RunDir
+    from nla_grpo.orchestrator.run_dir import RunDir
 
     iter_dir, av_sft, run_dir = Path(iter_dir), Path(av_sft), Path(run_dir)
     RunDir.check_new(run_dir)
@@ -171,15 +171,15 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
     import torch
     from safetensors import safe_open
 
-    from critic.checkpoint import FROZEN_RECORD, META_NAME, WEIGHTS_NAME, write_frozen_record
-    from critic.import_reference import import_reference_ar
-    from learner.checkpoint import OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_RECORD, RNG_FILE, write_state
-    from orchestrator.checkpoint import CRITIC_DIR, RunState
-    from orchestrator.checkpoint import POLICY_DIR as LEARNER_DIR
-    from orchestrator.job import absolute_paths, prepare_job
-    from shared.config import build_config, dump_config, load_config
-    from shared.data import ReferenceOrder
-    from shared.fileio import save_tensors, split_optimizer_state, write_json, write_reference, write_text
+    from nla_grpo.critic.checkpoint import FROZEN_RECORD, META_NAME, WEIGHTS_NAME, write_frozen_record
+    from nla_grpo.critic.import_reference import import_reference_ar
+    from nla_grpo.learner.checkpoint import OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_RECORD, RNG_FILE, write_state
+    from nla_grpo.orchestrator.checkpoint import CRITIC_DIR, RunState
+    from nla_grpo.orchestrator.checkpoint import POLICY_DIR as LEARNER_DIR
+    from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+    from nla_grpo.shared.config import build_config, dump_config, load_config
+    from nla_grpo.shared.data import ReferenceOrder
+    from nla_grpo.shared.fileio import save_tensors, split_optimizer_state, write_json, write_reference, write_text
 
     step, notes = state["step"], []
     cfg = absolute_paths(load_config(config, overrides), Path.cwd())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.config import RunConfig
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import RunConfig
+from nla_grpo.shared.errors import NlaInputError
 
 
 def absolute_paths(cfg: RunConfig, base: Path) -> RunConfig:
@@ -65,7 +65,7 @@ SET_ON_RESUME = RESUME_MAY_CHANGE + ("learner.lr", "critic.lr")
 
 def check_resume_overrides(overrides: list[str]) -> list[str]:
     """The ``--set`` keys of a resume, each one ``SET_ON_RESUME`` allows; a one-line refusal otherwise."""
-    from shared.config import parse_override
+    from nla_grpo.shared.config import parse_override
 
     keys = []
     for item in overrides:
@@ -93,9 +93,9 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
     """Refuse, in one line naming the field, a resume whose config, data or frozen critic differ from
     what the checkpoint was written with (a run saved before these were recorded is not checked);
     ``changed``: fields this resume's ``--set`` changes on purpose."""
-    from critic.checkpoint import FROZEN_RECORD, check_frozen_record
+    from nla_grpo.critic.checkpoint import FROZEN_RECORD, check_frozen_record
 
-    from orchestrator.checkpoint import RunState
+    from nla_grpo.orchestrator.checkpoint import RunState
 
     state = RunState.read(ckpt)
 
@@ -107,11 +107,11 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
 
     saved = state.config
     if saved is not None:
-        from shared.config import upgrade_saved_config
+        from nla_grpo.shared.config import upgrade_saved_config
 
         saved = upgrade_saved_config(saved)  # written by an older version: compared as it would read now
         try:  # fields added since then take their defaults, as the older version behaved
-            from shared.config import build_config
+            from nla_grpo.shared.config import build_config
 
             saved = build_config(saved, str(where)).model_dump(mode="json")
         except NlaInputError:
@@ -135,8 +135,8 @@ def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
     unset LoRA settings taken from the checkpoint's meta (then every rule is checked again on them)."""
     import torch
 
-    from critic.scoring import critic_architecture
-    from shared.config import build_config
+    from nla_grpo.critic.scoring import critic_architecture
+    from nla_grpo.shared.config import build_config
 
     arch = critic_architecture(cfg, spec, torch.float32)
     if cfg.critic.lora_r is not None and cfg.critic.lora_alpha is not None:
@@ -149,11 +149,11 @@ def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
 def prepare_job(cfg: RunConfig, log=print) -> Job:
     import torch
 
-    from shared.model_checks import check_model_against_spec, check_target_modules, model_config_field
-    from shared.data import read_rows, split_eval
-    from shared.prompts import as_ids, prompt_table
-    from shared.schema import fve_baselines
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.model_checks import check_model_against_spec, check_target_modules, model_config_field
+    from nla_grpo.shared.data import read_rows, split_eval
+    from nla_grpo.shared.prompts import as_ids, prompt_table
+    from nla_grpo.shared.schema import fve_baselines
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     model_dir = Path(cfg.model.path)
     if not model_dir.is_dir():
@@ -171,16 +171,16 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
                             f"decoder blocks, and after the last one no attention layer is left to carry the vector to "
                             f"the response), found {cfg.injection.karvonen_layer}")
     if cfg.rollout.backend == "vllm":
-        from shared.model_checks import check_generative
+        from nla_grpo.shared.model_checks import check_generative
 
         check_generative(model_dir)
-    from shared.quantization import prequantized
+    from nla_grpo.shared.quantization import prequantized
 
     if prequantized(model_dir, vllm=cfg.rollout.backend == "vllm") is not None and cfg.model.quantization == "none":
         raise NlaInputError("config", f"model.quantization: expected nf4 ({model_dir} is saved quantised in NF4, and "
                                       f"every service would load it so), found none")
     if cfg.model.quantization == "nf4" and cfg.rollout.backend == "vllm":
-        from shared.model_checks import check_quantization_source
+        from nla_grpo.shared.model_checks import check_quantization_source
 
         check_quantization_source(model_dir, cfg.model.dtype)
         if cfg.rollout.lora == "merged" and prequantized(model_dir) is not None:
@@ -192,15 +192,15 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     for field in ("adapter_init", "reference_adapter"):
         adapter = getattr(cfg.learner, field)
         if adapter is not None:
-            from shared.model_checks import check_adapter_dir
-            from shared.injection import check_adapter_injection, check_adapter_sft
+            from nla_grpo.shared.model_checks import check_adapter_dir
+            from nla_grpo.shared.injection import check_adapter_injection, check_adapter_sft
 
             check_adapter_injection(adapter, cfg, log)
             check_adapter_sft(adapter, cfg, spec, f"learner.{field}")
             rank = check_adapter_dir(adapter, model_dir, f"learner.{field}").max_rank
             # the policy's adapter goes to vLLM's LoRA kernels on the adapter route (the reference never does)
             if field == "adapter_init" and cfg.rollout.backend == "vllm" and cfg.rollout.lora == "adapter":
-                from shared.config import VLLM_MAX_LORA_RANK
+                from nla_grpo.shared.config import VLLM_MAX_LORA_RANK
 
                 if rank > VLLM_MAX_LORA_RANK:
                     raise NlaInputError(adapter, f"learner.adapter_init: LoRA rank {rank}, above {VLLM_MAX_LORA_RANK}, the "
@@ -214,7 +214,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         rows = read_rows(cfg.data.parquet, spec.d_model, max_rows=cfg.data.max_rows)
         train, ev = split_eval(rows, cfg.data.eval_fraction)
     else:  # the reference trainer's split: eval rows lie past eval_skip_rows, so the whole file is read
-        from shared.data import split_reference
+        from nla_grpo.shared.data import split_reference
 
         rows = read_rows(cfg.data.parquet, spec.d_model)
         train, ev = split_reference(rows, cfg.data.max_rows, cfg.data.eval_skip_rows)
@@ -232,7 +232,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
     evals = []
     if cfg.evals.hallucination.enabled or cfg.evals.karvonen_confusion.enabled:
-        from evals.tasks import build_evals
+        from nla_grpo.evals.tasks import build_evals
 
         evals = build_evals(cfg, spec, tok, ev, prompt_ids, pi_eval)
         log(f"[evals] {', '.join(f'{e.id} ({len(e.items)} items)' for e in evals)} on every eval step, judged by "

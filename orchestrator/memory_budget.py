@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.model_facts import base_bytes, bf16_bytes, lora_params, text_config
+from nla_grpo.shared.model_facts import base_bytes, bf16_bytes, lora_params, text_config
 
 GIB = 1 << 30
 CONTEXT_BYTES = 600 << 20  # a process's CUDA context and kernels (non-torch memory), learner and critic each
@@ -40,8 +40,8 @@ def awake_update_bytes(cfg, elem: int) -> int:
     that keeps them awake (``shared.config.least_awake_tokens``), with the planner's safety factor. Only where the
     engines cannot sleep through the update (``rollout.sleep_during_update: false``, or an overlapped rollout);
     otherwise ``auto`` puts them to sleep when the learner's room is short."""
-    from learner.memory_plan import SAFETY, config_bytes_per_token
-    from shared.config import least_awake_tokens, sleep_can_pay
+    from nla_grpo.learner.memory_plan import SAFETY, config_bytes_per_token
+    from nla_grpo.shared.config import least_awake_tokens, sleep_can_pay
 
     ro = cfg.rollout
     if ro.sleep_during_update is True or (ro.sleep_during_update == "auto" and sleep_can_pay(cfg)):
@@ -82,7 +82,7 @@ def residents(cfg, elem: int, adapter: tuple[int, list[str]], critic=None) -> Re
     with its AdamW state and the reference copy, the critic's blocks with what it trains (``critic``: its
     ``critic.scoring.CriticMeta``; unknown, the whole model and the config's rank), the engine's LoRA slots on the
     adapter route, and each process's CUDA context."""
-    from rollout.vllm.engine import max_lora_rank_for
+    from nla_grpo.rollout.vllm.engine import max_lora_rank_for
 
     quantised = cfg.model.quantization != "none"
     layers = text_config(cfg.model.path)["num_hidden_layers"]
@@ -161,7 +161,7 @@ def _learner_kernels(cfg) -> tuple[bool, str]:
 
 def learner_bytes_per_token(cfg, elem: int) -> int:
     """What the learner's backward keeps per token (``learner.memory_plan``'s count, before its safety factor)."""
-    from learner.memory_plan import config_bytes_per_token
+    from nla_grpo.learner.memory_plan import config_bytes_per_token
 
     fused, attention = _learner_kernels(cfg)
     return config_bytes_per_token(text_config(cfg.model.path), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing,
@@ -171,7 +171,7 @@ def learner_bytes_per_token(cfg, elem: int) -> int:
 def learner_update_bytes(cfg, elem: int, free: int) -> int:
     """The activations of the micro-batch ``learner.micro_batch: auto`` plans in ``free`` bytes (its count, which held
     to within 6% in the runs ``learner.memory_plan`` cites); a fixed micro-batch's rows at their longest."""
-    from learner.memory_plan import safety, token_budget
+    from nla_grpo.learner.memory_plan import safety, token_budget
 
     per_token = learner_bytes_per_token(cfg, elem)
     if cfg.learner.micro_batch != "auto":
@@ -223,11 +223,11 @@ class ColocatedPlan:
 def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     """The memory plan of a colocated vLLM run on a GPU of ``total_bytes``; raises ``NlaInputError`` (one line) where
     the engines' KV cache cannot fit or a phase would leave under ``FREE_MARGIN`` free."""
-    from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
-    from rollout.vllm.engine import gpu_plan, weight_bytes
-    from shared.config import sleep_pays_for_budget
-    from shared.errors import NlaInputError
-    from shared.torch_utils import resolve_dtype
+    from nla_grpo.rollout.engine_plan import ENGINE_OVERHEAD_BYTES
+    from nla_grpo.rollout.vllm.engine import gpu_plan, weight_bytes
+    from nla_grpo.shared.config import sleep_pays_for_budget
+    from nla_grpo.shared.errors import NlaInputError
+    from nla_grpo.shared.torch_utils import resolve_dtype
 
     res, elem = colocated_residents(cfg, spec)
     dtype = resolve_dtype(cfg.model.dtype, "cuda")
@@ -255,9 +255,9 @@ def colocated_residents(cfg, spec) -> tuple[Residents, int]:
     of its weights there."""
     import torch
 
-    from critic.scoring import critic_architecture
-    from rollout.vllm.engine import adapter_shape
-    from shared.torch_utils import resolve_dtype
+    from nla_grpo.critic.scoring import critic_architecture
+    from nla_grpo.rollout.vllm.engine import adapter_shape
+    from nla_grpo.shared.torch_utils import resolve_dtype
 
     dtype = resolve_dtype(cfg.model.dtype, "cuda")
     elem = 4 if dtype == torch.float32 else 2

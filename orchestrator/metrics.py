@@ -85,7 +85,7 @@ def pareto_chart(rows: list[dict]) -> dict:
     """plots/pareto.png as a wandb line series (``pareto/capability_vs_faithfulness``)."""
     import wandb
 
-    from orchestrator.plot import pareto_series
+    from nla_grpo.orchestrator.plot import pareto_series
 
     series = pareto_series(rows)
     if not series:

@@ -27,8 +27,8 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from shared.config import _Section
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import _Section
+from nla_grpo.shared.errors import NlaInputError
 
 RUNNING = False  # set while run_pipeline runs its stages (an interrupted stage then names the pipeline's resume)
 
@@ -104,7 +104,7 @@ class PipelineConfig(_Section):
 def load_pipeline(path: str | Path, overrides: list[str]) -> tuple[PipelineConfig, Path]:
     from pydantic import ValidationError
 
-    from shared.config import _describe_error, apply_overrides, read_yaml_file
+    from nla_grpo.shared.config import _describe_error, apply_overrides, read_yaml_file
 
     p = Path(path)
     if not p.is_file():
@@ -133,7 +133,7 @@ def _split_problem(parquet: Path, model: str) -> str | None:
     """Why an extracted split would not do (``data check``'s line), or None."""
     import io
 
-    from dataprep.check import check_dataset
+    from nla_grpo.dataprep.check import check_dataset
 
     try:
         check_dataset(str(parquet), model_dir=model, out=io.StringIO())
@@ -204,7 +204,7 @@ class StageRecords:
                                             "and the stages after it to redo them")
 
     def done(self, stage: str, before: tuple[str, ...], ran: bool) -> None:
-        from shared.fileio import write_json
+        from nla_grpo.shared.fileio import write_json
 
         old = self.stages.get(stage)
         run = (max((r["run"] for r in self.stages.values()), default=0) + 1) if ran or old is None else old["run"]
@@ -228,7 +228,7 @@ def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) ->
             if not getattr(cfg.explain, field):
                 raise NlaInputError("pipeline", f"explain.{field}: the teacher's {field.replace('_', ' ')} is needed "
                                                 f"(--set explain.{field}=...)")
-    from shared.ray_cluster import check_durable
+    from nla_grpo.shared.ray_cluster import check_durable
 
     check_durable(run_dir, given=True)
     out = Path(run_dir).resolve()
@@ -254,7 +254,7 @@ def run_pipeline(path: str | Path, run_dir: str | Path, overrides: list[str]) ->
 
 def _summary(out: Path, log=print) -> None:
     """One line per stage from its metrics: what AV-SFT and AR-SFT reached, where RL started (step 0) and ended."""
-    from orchestrator.run_dir import RunDir
+    from nla_grpo.orchestrator.run_dir import RunDir
 
     def evals(run, key):
         return [(r["step"], r[key]) for r in RunDir(out / run).read_metrics() if isinstance(r.get(key), (int, float))]
@@ -287,7 +287,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] tiny fixture: {tiny} is there, skipped", flush=True)
             records.done("tiny", READS["tiny"], ran=False)
         else:
-            from dataprep.tiny import tiny_command
+            from nla_grpo.dataprep.tiny import tiny_command
 
             _announce("tiny fixture", f"the tiny subject model and corpus into {tiny} (seed {cfg.seed})")
             tiny_command(tiny, seed=cfg.seed, log=_log)
@@ -310,7 +310,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
         print(f"[pipeline] extract: {data} is there and checks valid, skipped", flush=True)
         records.done("extract", READS["extract"], ran=False)
     else:
-        from dataprep.extract import extract
+        from nla_grpo.dataprep.extract import extract
 
         e = cfg.extract
         _announce("extract", f"block {e.layer}'s residuals of {model} over {corpus} into {data}")
@@ -324,7 +324,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
     explained = all((data / f"{s}_sft.explained.parquet").is_file() for s in ("av", "ar"))
     if explained:
         records.check_inputs("explain", data, READS["explain"])
-    from dataprep.explain import explain_command
+    from nla_grpo.dataprep.explain import explain_command
 
     teacher = "the tiny fixture's rule" if x.teacher == "fixture" else f"{x.model} at {x.base_url}"
     _announce("explain", f"the SFT splits in {data} by {teacher}")
@@ -346,7 +346,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] sft {stage}: {products[stage].parent} is there, skipped", flush=True)
             records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=False)
             continue
-        from orchestrator.sft_run import done_line, run_sft
+        from nla_grpo.orchestrator.sft_run import done_line, run_sft
 
         if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
             _announce(f"sft {stage}", f"{run} continued from its last checkpoint")
@@ -364,10 +364,10 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
     rl = out / "rl"
     paths += [f"learner.adapter_init={products['av'].parent}", f"critic.checkpoint={products['ar'].parent}",
               "critic.lora_r=null", "critic.lora_alpha=null"]
-    from orchestrator.rl_run import run_rl
+    from nla_grpo.orchestrator.rl_run import run_rl
 
     if (rl / "checkpoints").is_dir() and any((rl / "checkpoints").glob("step_*")):
-        from orchestrator.run_dir import RunDir
+        from nla_grpo.orchestrator.run_dir import RunDir
 
         records.check_inputs("rl", rl, READS["rl"])
         last = RunDir(rl).latest_checkpoint()

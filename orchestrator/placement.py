@@ -17,9 +17,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import RunConfig
+from nla_grpo.shared.config import RunConfig
 
-from shared.ray_cluster import PROJECT_ROOT, start_ray  # noqa: F401  (start_ray: re-exported for the CLI)
+from nla_grpo.shared.ray_cluster import PROJECT_ROOT, start_ray  # noqa: F401  (start_ray: re-exported for the CLI)
 
 
 def gpu_count_needed(cfg: RunConfig) -> int:
@@ -46,7 +46,7 @@ def check_run_dir_visible(run_dir) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     if len(nodes) <= 1:
@@ -107,13 +107,13 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from orchestrator.groups import CriticGroup, LearnerGroup
-    from shared.actors import remote
+    from nla_grpo.orchestrator.groups import CriticGroup, LearnerGroup
+    from nla_grpo.shared.actors import remote
 
     if actor_classes is None:
-        from critic.actor import CriticActor
-        from learner.actor import LearnerActor
-        from rollout.actor import RolloutActor
+        from nla_grpo.critic.actor import CriticActor
+        from nla_grpo.learner.actor import LearnerActor
+        from nla_grpo.rollout.actor import RolloutActor
 
         actor_classes = (RolloutActor, LearnerActor, CriticActor)
     RolloutActor, LearnerActor, CriticActor = (remote(c) for c in actor_classes)
@@ -139,7 +139,7 @@ def start_services(cfg: RunConfig, spec, actor_classes: tuple | None = None) -> 
         ray.get(pg.ready())
         # vLLM sizes its share from the free memory it sees while profiling; an engine or a learner loading
         # beside it at that moment makes the profile wrong (or fails it), so each starts once the last is up
-        from orchestrator.memory_budget import beside_colocated_engines
+        from nla_grpo.orchestrator.memory_budget import beside_colocated_engines
 
         # the engines' auto plan leaves the rest of the GPU what it holds beside them in the fullest awake phase
         plan = spec is not None and backend == "vllm" and cfg.rollout.gpu_memory_utilization == "auto"

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from orchestrator.run_dir import RunDir
-from shared.errors import NlaInputError
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.errors import NlaInputError
 
 PANELS = [
     ("reward", ["reward_mean", "reward_mean_all", "eval/reward_mean"]),

@@ -13,17 +13,17 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
     one; ``steps`` sets ``grpo.steps`` and ``overrides`` are ``--set`` lines. Starts Ray and the services, trains, and
     returns 0; a bad input raises ``NlaInputError``."""
     overrides = list(overrides)
-    from shared.config import load_config
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.config import load_config
+    from nla_grpo.shared.errors import NlaInputError
 
-    from orchestrator.job import absolute_paths, prepare_job
-    from orchestrator.run_dir import RunDir
-    from shared.ray_cluster import check_durable
+    from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+    from nla_grpo.orchestrator.run_dir import RunDir
+    from nla_grpo.shared.ray_cluster import check_durable
 
     if (resume is None) == (config is None):
         raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
     if resume is not None:
-        from orchestrator.job import check_resume_overrides
+        from nla_grpo.orchestrator.job import check_resume_overrides
 
         if run_dir:
             raise NlaInputError("train", "--resume continues the run in its own directory: --run-dir cannot be combined with it")
@@ -40,7 +40,7 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
         job = prepare_job(cfg)
         _start_judge(job)
         if resume_from is not None:
-            from orchestrator.job import check_resume
+            from nla_grpo.orchestrator.job import check_resume
 
             check_resume(resume_from, job.cfg, job, run.path / "config.yaml", changed)
         run.save_config(cfg)
@@ -65,7 +65,7 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
 def _start_judge(job) -> None:
     """The judge of the enabled evals, asked once before anything starts: down, or refusing the key, is one line."""
     if job.evals:
-        from evals.judges import Judge
+        from nla_grpo.evals.judges import Judge
 
         job.judge = Judge(job.cfg.evals.judge)
         job.judge.check()
@@ -82,10 +82,10 @@ def _log_plots(wandb_run, plots: Path) -> None:
 
 
 def _run_services(job, run, resume_from) -> int:
-    from orchestrator.driver import stop_on_signals, train
-    from orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
-    from orchestrator.plot import write_plots
-    from shared.errors import NlaInputError
+    from nla_grpo.orchestrator.driver import stop_on_signals, train
+    from nla_grpo.orchestrator.placement import check_run_dir_visible, start_ray, start_services, stop_services
+    from nla_grpo.orchestrator.plot import write_plots
+    from nla_grpo.shared.errors import NlaInputError
 
     cfg = job.cfg
     wandb_run = None
@@ -113,7 +113,7 @@ def _run_services(job, run, resume_from) -> int:
             services = start_services(job.services_config(), job.spec)
             services.asked_at = asked
         except BaseException as exc:
-            from orchestrator.driver import startup_error
+            from nla_grpo.orchestrator.driver import startup_error
 
             raise startup_error(exc) from None
         last = train(job, run, services, resume_from, log=lambda m: print(m, flush=True), wandb_run=wandb_run)
@@ -146,8 +146,8 @@ def _plan_memory(job, run) -> None:
     cfg = job.cfg
     if cfg.placement.mode != "colocated" or cfg.rollout.backend != "vllm":
         return
-    from orchestrator.memory_budget import gpu_total_bytes, plan_colocated, summary
-    from shared.fileio import write_json
+    from nla_grpo.orchestrator.memory_budget import gpu_total_bytes, plan_colocated, summary
+    from nla_grpo.shared.fileio import write_json
 
     total = gpu_total_bytes()
     if total is None:

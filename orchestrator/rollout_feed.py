@@ -11,8 +11,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from orchestrator.checkpoint import PENDING_FILE
-from shared.fileio import write_json
+from nla_grpo.orchestrator.checkpoint import PENDING_FILE
+from nla_grpo.shared.fileio import write_json
 
 
 
@@ -94,7 +94,7 @@ class RolloutFeed:
         write_json(Path(directory) / PENDING_FILE, record, indent=None)
 
     def restore(self, directory: Path) -> None:
-        from shared.types import Sample
+        from nla_grpo.shared.types import Sample
 
         path = Path(directory) / PENDING_FILE
         if not path.is_file():

@@ -11,10 +11,10 @@ import os
 import shutil
 from pathlib import Path
 
-from orchestrator.checkpoint import checkpoint_problem, is_checkpoint
-from shared.config import RunConfig, build_config, dump_config, read_yaml_file, upgrade_saved_config
-from shared.errors import NlaInputError
-from shared.fileio import jsonable, write_text
+from nla_grpo.orchestrator.checkpoint import checkpoint_problem, is_checkpoint
+from nla_grpo.shared.config import RunConfig, build_config, dump_config, read_yaml_file, upgrade_saved_config
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.fileio import jsonable, write_text
 
 
 LOCK_FILE = ".lock"

@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator.run_dir import RunDir
-from shared.errors import NlaInputError
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.errors import NlaInputError
 
 PRODUCT = {"av": "adapter", "ar": "critic"}
 STAGE_NAME = {"av": "AV-SFT", "ar": "AR-SFT"}
@@ -53,7 +53,7 @@ def stage_config(cfg, stage: str):
     """The config the stage's ranks are built from: a fresh adapter or critic (never the RL run's
     adapter_init / critic.checkpoint, which are what this stage makes), no judged evals, and the
     explained split as the data (its own sidecar)."""
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     raw = cfg.model_dump(mode="python")
     raw["data"].update(parquet=str(explained_split(cfg, stage)), sidecar=None)
@@ -72,7 +72,7 @@ class SftData:
 
 
 def _explanations(path: Path, row_ids) -> list[str]:
-    from shared.data import read_text_column
+    from nla_grpo.shared.data import read_text_column
 
     return read_text_column(path, "explanation", row_ids, "no 'explanation' column: the SFT stages read the explained "
                             "splits that `nla-grpo data explain SPLITS_DIR` writes")
@@ -81,8 +81,8 @@ def _explanations(path: Path, row_ids) -> list[str]:
 def load_data(cfg, stage: str, log=print) -> SftData:
     """The explained split checked as training data is (``orchestrator.job.prepare_job``), with its
     explanations; a split of another model or layer than the RL data's is refused."""
-    from orchestrator.job import prepare_job
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     path = explained_split(cfg, stage)
     if not path.is_file():
@@ -109,10 +109,10 @@ def start_ranks(cfg, stage: str, spec):
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from orchestrator.groups import RankGroup
-    from orchestrator.placement import largest_node_gpus
-    from sft.actors import ArSftActor, AvSftActor
-    from shared.actors import remote
+    from nla_grpo.orchestrator.groups import RankGroup
+    from nla_grpo.orchestrator.placement import largest_node_gpus
+    from nla_grpo.sft.actors import ArSftActor, AvSftActor
+    from nla_grpo.shared.actors import remote
 
     actor = remote(AvSftActor if stage == "av" else ArSftActor)
     n = cfg.placement.learner_workers if stage == "av" else cfg.placement.critic_workers
@@ -153,13 +153,13 @@ class StagePlan:
     def __init__(self, stage: str, data: SftData, cfg):
         import numpy as np
 
-        from sft.plan import StepBatches, total_steps
+        from nla_grpo.sft.plan import StepBatches, total_steps
 
         job, s = data.job, getattr(cfg.sft, stage)
         self.stage = stage
         if stage == "av":
-            from rollout.engine import stop_token_ids
-            from sft.plan import response_ids
+            from nla_grpo.rollout.engine import stop_token_ids
+            from nla_grpo.sft.plan import response_ids
 
             stops = stop_token_ids(cfg.model.path, job.tokenizer, cfg.rollout.extra_stop_tokens)
 
@@ -173,7 +173,7 @@ class StagePlan:
             self.eval, _, eval_ok = rows(job.eval, job.prompt_index_eval, data.eval_explanations)
             self.limit = f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
         else:
-            from shared.prompts import render_critic_ids, start_token
+            from nla_grpo.shared.prompts import render_critic_ids, start_token
 
             add_bos = cfg.critic.add_bos
             bos = start_token(job.tokenizer) if add_bos is None else (job.tokenizer.bos_token_id if add_bos else None)
@@ -261,8 +261,8 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
     import shutil
     import numpy as np
 
-    from sft.plan import lr_at
-    from shared.fileio import write_json
+    from nla_grpo.sft.plan import lr_at
+    from nla_grpo.shared.fileio import write_json
 
     s = getattr(cfg.sft, stage)
     job, total = data.job, plan.total
@@ -277,7 +277,7 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
         out = group.call_each("evaluate", *plan.args("eval", plan.eval_idx))[0]
         if stage == "av":
             return {"eval/nll": out["nll"], "eval/tokens": out["tokens"]}
-        from shared.schema import fve
+        from nla_grpo.shared.schema import fve
 
         return {"eval/mse": out["mse"], "eval/fve": fve(out["mse"], job.fve_baseline), "eval/scored": out["scored"]}
 
@@ -340,16 +340,16 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
     before any actor starts; a new run that fails before its first checkpoint leaves no directory."""
     import shutil
 
-    from orchestrator.job import absolute_paths
-    from orchestrator.placement import check_run_dir_visible
-    from shared.config import load_config
-    from shared.ray_cluster import start_ray
+    from nla_grpo.orchestrator.job import absolute_paths
+    from nla_grpo.orchestrator.placement import check_run_dir_visible
+    from nla_grpo.shared.config import load_config
+    from nla_grpo.shared.ray_cluster import start_ray
 
     sets = list(overrides) + ([f"sft.{stage}.steps={steps}"] if steps is not None else [])
     if (resume is None) == (config is None):
         raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
     # ---- the run directory and its config ---------------------------------------------------------
-    from shared.ray_cluster import check_durable
+    from nla_grpo.shared.ray_cluster import check_durable
 
     if resume is not None:
         if run_dir:
@@ -393,7 +393,7 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
             group, pgs = start_ranks(scfg, stage, data.job.spec)
             group.join()
         except BaseException as exc:
-            from orchestrator.driver import startup_error
+            from nla_grpo.orchestrator.driver import startup_error
 
             raise startup_error(exc) from None
         last = run_stage(stage, scfg, run, data, plan, group, start, resume_from, log=log)
@@ -404,7 +404,7 @@ def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | N
         stop_ranks(group, pgs)  # before anything is removed: no rank writes into a deleted directory
         if failed and resume is None and not run.list_checkpoints():
             shutil.rmtree(run.path, ignore_errors=True)  # a new stage that failed before its first checkpoint
-    from orchestrator.plot import write_plots
+    from nla_grpo.orchestrator.plot import write_plots
 
     try:
         log(f"[plot] {write_plots(run.path)}")

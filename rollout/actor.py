@@ -5,8 +5,8 @@ remote: ``shared.actors.remote(RolloutActor).options(...).remote(cfg, spec, back
 """
 from __future__ import annotations
 
-from rollout.engine import RolloutEngine
-from shared.types import PromptRequest, Sample
+from nla_grpo.rollout.engine import RolloutEngine
+from nla_grpo.shared.types import PromptRequest, Sample
 
 BACKENDS = ("vllm", "hf")
 
@@ -16,11 +16,11 @@ def make_engine(cfg, spec, device: str = "cpu", backend: str | None = None, resi
     hold beside a colocated vLLM engine on its GPU."""
     backend = backend or cfg.rollout.backend
     if backend == "vllm":
-        from rollout.vllm.engine import VllmEngine
+        from nla_grpo.rollout.vllm.engine import VllmEngine
 
         return VllmEngine(cfg, spec, device, resident_bytes)
     if backend == "hf":
-        from rollout.hf_engine import HfEngine
+        from nla_grpo.rollout.hf_engine import HfEngine
 
         return HfEngine(cfg, spec, device)
     raise ValueError(f"rollout backend: expected one of {BACKENDS}, found {backend!r}")
@@ -40,7 +40,7 @@ class RolloutActor:
     """One engine in the actor's process, the RolloutEngine calls as plain methods (Ray has no properties)."""
 
     def __init__(self, cfg, spec, backend: str | None = None, device: str = "cpu", resident_bytes: int = 0):
-        from shared.weight_sync import make_receiver
+        from nla_grpo.shared.weight_sync import make_receiver
 
         self.engine = make_engine(cfg, spec, device, backend, resident_bytes)
         self.receiver = make_receiver(cfg.weight_sync)  # the engine's half of shared.weight_sync

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -30,7 +30,7 @@ def _tensor_files(model_path: Path) -> dict[str, Path]:
 
 
 def _tied(model_path: Path) -> bool:
-    from shared.model_facts import tied_embeddings
+    from nla_grpo.shared.model_facts import tied_embeddings
 
     return tied_embeddings(model_path)
 
@@ -65,7 +65,7 @@ SCALED_EMBEDDINGS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 def embedding_multiplier(model_path) -> float | None:
     """The factor the model's own embedding applies to its rows (Gemma: sqrt(hidden_size)), or None."""
-    from shared.model_facts import stored_config
+    from nla_grpo.shared.model_facts import stored_config
 
     cfg = stored_config(model_path)
     if not cfg:

@@ -10,9 +10,9 @@ import hashlib
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from shared.errors import NlaInputError
-from shared.prompts import has_marker_trigram
-from shared.types import AdapterUpdate, PromptRequest, Sample
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.prompts import has_marker_trigram
+from nla_grpo.shared.types import AdapterUpdate, PromptRequest, Sample
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"

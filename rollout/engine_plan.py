@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 BLOCK = 16  # vLLM's default KV block size on GPUs
 MIN_BATCHED_TOKENS = 16384

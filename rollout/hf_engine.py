@@ -6,8 +6,8 @@ built by ``shared.injection.embed_batch``, ``karvonen`` through ``shared.injecti
 """
 from __future__ import annotations
 
-from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
-from shared.types import AdapterUpdate, PromptRequest, Sample
+from nla_grpo.rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
+from nla_grpo.shared.types import AdapterUpdate, PromptRequest, Sample
 
 
 def lora_config_from_dict(peft_config: dict):
@@ -31,8 +31,8 @@ class HfEngine(RolloutEngine):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from shared.injection import KarvonenHook, embed_norm
-        from shared.torch_utils import resolve_dtype
+        from nla_grpo.shared.injection import KarvonenHook, embed_norm
+        from nla_grpo.shared.torch_utils import resolve_dtype
 
         self.cfg, self.spec, self.device = cfg, spec, torch.device(device)
         path = model_dir(cfg)
@@ -41,7 +41,7 @@ class HfEngine(RolloutEngine):
         if cfg.model.quantization == "none":
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         else:  # the learner's NF4 base (shared.quantization), where device_map puts it
-            from shared.quantization import hf_quantization_kwargs, require_gpu
+            from nla_grpo.shared.quantization import hf_quantization_kwargs, require_gpu
 
             require_gpu(cfg.model.quantization, device)
             self.model = AutoModelForCausalLM.from_pretrained(
@@ -84,7 +84,7 @@ class HfEngine(RolloutEngine):
         """(response ids [G, n], logprobs [G, n]) for one prompt, untrimmed."""
         import torch
 
-        from shared.injection import embed_batch
+        from nla_grpo.shared.injection import embed_batch
 
         G = self.cfg.rollout.group_size
         ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device).expand(G, -1).contiguous()
@@ -131,8 +131,8 @@ class HfEngine(RolloutEngine):
         """
         import torch
 
-        from shared.torch_utils import right_pad
-        from shared.injection import embed_batch
+        from nla_grpo.shared.torch_utils import right_pad
+        from nla_grpo.shared.injection import embed_batch
 
         inject = vectors is not None
         if not inject:
@@ -172,7 +172,7 @@ class HfEngine(RolloutEngine):
         """Build the new version as its own PEFT adapter (new name), activate it, drop the old one."""
         from peft import get_peft_model, set_peft_model_state_dict
 
-        from rollout.vllm.adapter_registry import adapter_name, check_update
+        from nla_grpo.rollout.vllm.adapter_registry import adapter_name, check_update
 
         check_update(update, self._version)
         name = adapter_name(update.version)

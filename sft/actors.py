@@ -21,8 +21,8 @@ class AvSftActor(_Ranked):
     def __init__(self, cfg, spec, device: str = "cpu"):
         import torch
 
-        from sft.av import AvSftLearner
-        from shared.collective import DataParallel
+        from nla_grpo.sft.av import AvSftLearner
+        from nla_grpo.shared.collective import DataParallel
 
         self.trainer = AvSftLearner(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
         torch.manual_seed(cfg.seed)  # Ray seeds its workers at random
@@ -50,8 +50,8 @@ class ArSftActor(_Ranked):
     def __init__(self, cfg, spec, device: str = "cpu"):
         import torch
 
-        from sft.ar import ArSftCritic
-        from shared.collective import DataParallel
+        from nla_grpo.sft.ar import ArSftCritic
+        from nla_grpo.shared.collective import DataParallel
 
         torch.manual_seed(cfg.seed)
         self.trainer = ArSftCritic(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 
-from critic.scoring import Critic
+from nla_grpo.critic.scoring import Critic
 
 
 class ArSftCritic(Critic):
@@ -38,7 +38,7 @@ class ArSftCritic(Critic):
 
     def save_checkpoint_dir(self, directory) -> str:
         """Weights + meta as ``critic.checkpoint`` takes them (no optimiser state)."""
-        from shared.fileio import atomic_directory
+        from nla_grpo.shared.fileio import atomic_directory
 
         with atomic_directory(directory) as tmp:
             self.save(tmp, optimizer=False)

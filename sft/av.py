@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from learner import checkpoint
-from learner.policy import POLICY
-from learner.learner import Learner, sync_device
-from learner.micro_batches import Item
-from learner.update_metrics import executed_tokens
-from sft.plan import token_nll_sum
+from nla_grpo.learner import checkpoint
+from nla_grpo.learner.policy import POLICY
+from nla_grpo.learner.learner import Learner, sync_device
+from nla_grpo.learner.micro_batches import Item
+from nla_grpo.learner.update_metrics import executed_tokens
+from nla_grpo.sft.plan import token_nll_sum
 
 
 def _items(prompts, sites, responses, vectors) -> list[Item]:
@@ -35,7 +35,7 @@ class AvSftLearner(Learner):
 
     def sft_step(self, prompts, sites, responses, vectors, lr: float) -> dict:
         """Token-mean cross-entropy over every response token of the batch (all ranks together), one step."""
-        from shared.collective import GradientSums
+        from nla_grpo.shared.collective import GradientSums
 
         items = _items(prompts, sites, responses, vectors)
         n_tokens = sum(len(r) for r in responses)
@@ -85,10 +85,10 @@ class AvSftLearner(Learner):
 
     def save_adapter_dir(self, directory) -> str:
         """The trained adapter alone, as ``learner.adapter_init`` takes it: PEFT files + the injection record."""
-        from shared.fileio import atomic_directory
+        from nla_grpo.shared.fileio import atomic_directory
 
-        from shared.fileio import write_json
-        from shared.injection import SFT_RECORD
+        from nla_grpo.shared.fileio import write_json
+        from nla_grpo.shared.injection import SFT_RECORD
 
         with atomic_directory(directory) as tmp:
             checkpoint.save_adapter(self, POLICY, tmp, mkdir=False)

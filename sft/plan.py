@@ -91,7 +91,7 @@ def response_text(explanation: str, prefill: str) -> str:
 def response_ids(tokenizer, explanation: str, prefill: str, stop_ids: list[int]) -> list[int]:
     """The explanation's response tokens, ended as a rollout ends: by a stop id the text already holds
     (an ``extra_stop_tokens`` entry such as ``</explanation>``), else by the first EOS id."""
-    from shared.prompts import as_ids
+    from nla_grpo.shared.prompts import as_ids
 
     ids = as_ids(tokenizer.encode(response_text(explanation, prefill), add_special_tokens=False))
     stops = set(stop_ids)

@@ -22,7 +22,7 @@ def _raising_the_cause(method, constructor: bool = False):
         try:
             return method(*args, **kwargs)
         except Exception as exc:
-            from shared.errors import NlaInputError, ServiceError, crossing, describe, innermost
+            from nla_grpo.shared.errors import NlaInputError, ServiceError, crossing, describe, innermost
 
             if constructor:
                 inner = innermost(exc)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 LINEAR_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -263,7 +263,7 @@ class LearnerConfig(_Section):
     def _no_embeddings(cls, v):
         if not v:
             raise ValueError("expected at least one module")
-        from shared.adapter import linear_only_problem
+        from nla_grpo.shared.adapter import linear_only_problem
 
         problem = linear_only_problem(v)
         if problem:
@@ -571,7 +571,7 @@ class RunConfig(_Section):
 def lora_route(cfg) -> str:
     """``rollout.lora: auto``: merged where a vLLM engine on a GPU can merge (``merged_needs_one_vllm_engine_per_gpu``;
     not a checkpoint saved quantised, whose bf16 weights the merged engine would need), adapter elsewhere."""
-    from shared.model_facts import saved_quantization
+    from nla_grpo.shared.model_facts import saved_quantization
 
     r = cfg.rollout
     saved_quantised = saved_quantization(cfg.model.path) is not None

@@ -2,7 +2,7 @@
 type, default and documentation, section by section. ``docs/configuration.md`` is this page; a test keeps the two
 equal, so the reference never drifts from what the code accepts.
 
-    python -m shared.config_reference > docs/configuration.md
+    python -m nla_grpo.shared.config_reference > docs/configuration.md
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ HEADER = """# Configuration reference
 
 Every field of a run config (`nla-grpo train CONFIG.yaml`, the `config:` of a pipeline file), section by section,
 with its type, its default and what it does. Written from the schema (`shared/config.py`) by
-`python -m shared.config_reference`; a test keeps it equal to the code. `nla-grpo config check CONFIG --show` prints
+`python -m nla_grpo.shared.config_reference`; a test keeps it equal to the code. `nla-grpo config check CONFIG --show` prints
 a config with every default filled in, `auto` values resolved where the config alone decides them.
 """
 
@@ -84,7 +84,7 @@ def _section(name: str, model: type[BaseModel], doc: str | None) -> list[str]:
 
 def reference() -> str:
     """The whole page."""
-    from shared import config
+    from nla_grpo.shared import config
 
     out = [HEADER]
     top = [f"| `{k}` | {_type_name(f.annotation)} | {_default(f)} | {_text(f.description)} |"

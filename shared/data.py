@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shared.errors import NlaInputError
-from shared.prompts import INJECT_PLACEHOLDER
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.prompts import INJECT_PLACEHOLDER
 
 REQUIRED_COLUMNS = ("prompt", "activation_vector", "doc_id")
 CHAT_ROLES = ("system", "user", "assistant")

@@ -24,7 +24,7 @@ import tempfile
 from enum import Enum
 from pathlib import Path
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 _PRIMITIVES = (bool, int, float, str, type(None))
 _KEEP = object()
@@ -128,7 +128,7 @@ def lock_directory(work: str | Path, busy: str):
     holder is refused with ``busy`` as one line naming the directory's parent."""
     import fcntl
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     work = Path(work)
     f = open(work / ".lock", "w")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.schema import normalize_activation
+from nla_grpo.shared.schema import normalize_activation
 
 
 def injection_vector(v: torch.Tensor, scale: float | None) -> torch.Tensor:
@@ -140,7 +140,7 @@ def check_adapter_injection(adapter_dir, cfg, log=print) -> None:
     import json
     from pathlib import Path
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     path = Path(adapter_dir) / INJECTION_RECORD
     want = injection_record(cfg)
@@ -172,7 +172,7 @@ def check_adapter_sft(adapter_dir, cfg, spec, field: str) -> None:
     import json
     from pathlib import Path
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     path = Path(adapter_dir) / SFT_RECORD
     if not path.is_file():

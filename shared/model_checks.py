@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
-from shared.errors import NlaInputError
+from nla_grpo.shared.errors import NlaInputError
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -20,7 +20,7 @@ def load_tokenizer(model_dir: str | Path):
 
 def model_config_field(model_dir: str | Path, key: str):
     """A field of the model's config.json (top level or its text_config); None when absent."""
-    from shared.model_facts import field
+    from nla_grpo.shared.model_facts import field
 
     return field(model_dir, key)
 
@@ -48,7 +48,7 @@ def _linear_modules(model_dir: str) -> dict[str, tuple[int, int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.model_facts import hf_config
+    from nla_grpo.shared.model_facts import hf_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(model_dir))
@@ -59,7 +59,7 @@ def check_model_against_spec(spec, model_dir):
     """The model's tokenizer, once the model and the dataset's sidecar agree: the activations' width is the
     model's hidden size, and the marker and its neighbours are what the sidecar says in this tokenizer.
     ``data check`` and a job's checks both go through it."""
-    from shared.spec import validate_against_tokenizer
+    from nla_grpo.shared.spec import validate_against_tokenizer
 
     hidden = model_hidden_size(model_dir)
     if hidden is not None and hidden != spec.d_model:
@@ -89,7 +89,7 @@ def check_adapter_dir(adapter_dir, model_dir, field: str):
 
     from safetensors import safe_open
 
-    from shared.adapter import AdapterDir
+    from nla_grpo.shared.adapter import AdapterDir
 
     adapter = AdapterDir.read(adapter_dir, field)
     adapter.check_files(field)
@@ -128,7 +128,7 @@ def check_quantization_source(model_dir, dtype: str) -> None:
     (``shared.quantization.prequantized``)."""
     from safetensors import safe_open
 
-    from shared.quantization import prequantized
+    from nla_grpo.shared.quantization import prequantized
 
     d = Path(model_dir)
     if prequantized(d, vllm=True) is not None:

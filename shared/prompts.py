@@ -105,7 +105,7 @@ def prompt_table(row_sets, tokenizer, spec, prefill: str, source, enable_thinkin
 
     import numpy as np
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     seen: dict[str, int] = {}
     table: list[tuple[list[int], int]] = []

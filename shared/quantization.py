@@ -36,9 +36,9 @@ def require_gpu(quantization: str, device) -> None:
 def prequantized(model_dir, vllm: bool = False) -> dict | None:
     """The ``quantization_config`` of a checkpoint saved already quantised, or None; one that is not
     NF4 with double quantisation (or, with ``vllm``, not in a packed storage vLLM reads) is refused."""
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
-    from shared.model_facts import saved_quantization
+    from nla_grpo.shared.model_facts import saved_quantization
 
     path = Path(model_dir) / "config.json"
     qc = saved_quantization(model_dir)  # an unreadable config.json is checked where the model is first read

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# the directory that holds the nla_grpo package (a checkout's top, or site-packages): Ray's workers import it from there
+_PARTS = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = _PARTS.parent if (_PARTS / "__init__.py").is_file() else _PARTS
 
 
 # what the libraries print at start that a user of a run does not need (vLLM's warnings about its own
@@ -105,7 +107,7 @@ def submitted_copy() -> Path | None:
 def check_durable(run_dir, given: bool) -> None:
     """Refuse a run directory that would vanish with a submitted job (inside Ray's copy of the working
     directory), in one line, before anything is written; ``given``: it came from the command line."""
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     copy = submitted_copy()
     if copy is None:

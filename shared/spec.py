@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from shared.errors import NlaInputError
-from shared.prompts import as_ids, find_marker_site, render_av_ids
-from shared.schema import resolve_scale
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.prompts import as_ids, find_marker_site, render_av_ids
+from nla_grpo.shared.schema import resolve_scale
 
 SIDECAR_SUFFIX = ".nla_meta.yaml"
 DATASET_KIND = "nla_dataset"

@@ -27,7 +27,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from shared.types import AdapterUpdate
+from nla_grpo.shared.types import AdapterUpdate
 
 
 @dataclass
@@ -62,7 +62,7 @@ class WeightSender(ABC):
 
     def export(self, update: AdapterUpdate) -> AdapterMessage:
         """Pack ``update`` (a snapshot: later training does not reach it); the previous buffer goes."""
-        from shared.tensor_wire import pack_tensors
+        from nla_grpo.shared.tensor_wire import pack_tensors
 
         if not update.tensors:
             raise ValueError(f"adapter version {update.version} has no tensors")
@@ -102,7 +102,7 @@ class WeightReceiver(ABC):
         """Join the sender's group as ``rank`` (``broadcast``); nothing to do for the others."""
 
     def receive(self, message: AdapterMessage, device) -> AdapterUpdate:
-        from shared.tensor_wire import unpack_tensors
+        from nla_grpo.shared.tensor_wire import unpack_tensors
 
         if message.kind != self.kind:
             raise ValueError(f"weight sync: a {message.kind!r} message reached a {self.kind!r} receiver")
@@ -165,7 +165,7 @@ class CudaIpcReceiver(WeightReceiver):
 
 # ---- broadcast ----------------------------------------------------------------------------------
 def _channel(settings):
-    from shared.collective import AdapterChannel
+    from nla_grpo.shared.collective import AdapterChannel
 
     return AdapterChannel(timeout_s=getattr(settings, "timeout_s", 600.0))
 

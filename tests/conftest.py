@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     """The tiny model + RL parquet + sidecar, built once per test session (seed 0)."""
-    from dataprep.tiny import build_tiny
+    from nla_grpo.dataprep.tiny import build_tiny
 
     return build_tiny(tmp_path_factory.mktemp("fixtures") / "tiny", seed=0)
 
@@ -59,7 +59,7 @@ def run_cli(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
     """Run ``nla-grpo`` as a user would (a fresh process), capturing its output."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
+        [sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args)], cwd=cwd or ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
 
@@ -80,7 +80,7 @@ def run_cli_together(*commands, timeout=900) -> list[subprocess.CompletedProcess
     the time (each phase of a step runs in one process), so side by side they take less than in turn."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     outs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in commands]
-    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
+    procs = [subprocess.Popen([sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
                               stdout=out, stderr=err, text=True) for args, (out, err) in zip(commands, outs)]
     deadline = time.time() + timeout
     try:

@@ -9,7 +9,7 @@ import json
 import threading
 import time
 
-from dataprep.fixture_teacher import JsonHandler, LoopbackServer
+from nla_grpo.dataprep.fixture_teacher import JsonHandler, LoopbackServer
 
 
 class JudgeServer:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from shared.types import AdapterUpdate, PromptRequest
+from nla_grpo.shared.types import AdapterUpdate, PromptRequest
 
 
 def tiny_requests(parquet, spec, tokenizer, n: int, prefill: str = "") -> list[PromptRequest]:
     """The first ``n`` rows of an RL parquet as requests (row ids 0..n-1)."""
-    from shared.data import read_rows
-    from shared.prompts import find_marker_site, render_av_ids
+    from nla_grpo.shared.data import read_rows
+    from nla_grpo.shared.prompts import find_marker_site, render_av_ids
 
     rows = read_rows(Path(parquet), spec.d_model, max_rows=n)
     out = []
@@ -53,7 +53,7 @@ TEST_PREFILL, TEST_STOP = "<explanation>", "</explanation>"
 
 def tiny_config(tiny_dir, injection: dict | None = None, weight_sync: str = "auto", **rollout):
     """A CPU run config on the tiny model: prefill + explanation stop, small groups, LoRA r 8."""
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     ro = {"group_size": 4, "max_new_tokens": 16, "prefill": TEST_PREFILL, "extra_stop_tokens": [TEST_STOP],
           "max_loras": 2, **rollout}
@@ -115,7 +115,7 @@ def vectors_of(samples, requests):
 # ---- prefix caching: what the cache gave each request (tests/test_rollout_prefix_cache.py, tests/test_gpu.py) ----
 def cache_hits(engine) -> dict:
     """Request id -> prompt tokens the prefix cache gave it, recorded from the in-process scheduler."""
-    from rollout.vllm.handles import in_process_scheduler
+    from nla_grpo.rollout.vllm.handles import in_process_scheduler
 
     manager = in_process_scheduler(engine.llm).kv_cache_manager
     hits, lookup = {}, manager.get_computed_blocks

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 
-from dataprep.fixture_teacher import JsonHandler, LoopbackServer, marked
+from nla_grpo.dataprep.fixture_teacher import JsonHandler, LoopbackServer, marked
 
 
 def expected_answer(user: str) -> str:

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterDir, linear_only_problem
-from shared.errors import NlaInputError
+from nla_grpo.shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterDir, linear_only_problem
+from nla_grpo.shared.errors import NlaInputError
 
 
 def _adapter(tmp_path, weights="safetensors", **config):

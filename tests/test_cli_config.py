@@ -9,7 +9,7 @@ def _paths(tiny_dir):
 
 
 def test_a_good_config_is_one_ok_line_and_show_prints_it_resolved(tiny_dir):
-    from shared.config import build_config, load_config
+    from nla_grpo.shared.config import build_config, load_config
 
     res = run_cli("config", "check", ROOT / "deploy/tiny.yaml", *_paths(tiny_dir), "--set", "grpo.steps=7")
     assert res.returncode == 0 and res.stderr == "", res.stderr
@@ -60,12 +60,12 @@ def test_data_check_with_a_config_checks_what_training_checks(tiny_dir):
 
 
 def test_training_and_data_check_render_the_same_prompt_table(tiny_dir):
-    from orchestrator.job import prepare_job
-    from shared.model_checks import load_tokenizer
-    from shared.config import build_config
-    from shared.data import read_rows
-    from shared.prompts import prompt_table
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.model_checks import load_tokenizer
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.data import read_rows
+    from nla_grpo.shared.prompts import prompt_table
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
                         "rollout": {"prefill": "<explanation>"}}, "t")
@@ -77,7 +77,7 @@ def test_training_and_data_check_render_the_same_prompt_table(tiny_dir):
     rows.prompts[2] = [{"role": "user", "content": "no marker here"}]
     import pytest
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     with pytest.raises(NlaInputError, match=r"t: row 2, column 'prompt'"):
         prompt_table([rows], load_tokenizer(tiny_dir / "model"), spec, "", "t")

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from shared.data import read_rows
-from dataprep.tiny import write_rl_parquet
+from nla_grpo.shared.data import read_rows
+from nla_grpo.dataprep.tiny import write_rl_parquet
 
 from conftest import ROOT, run_cli
 
@@ -207,7 +207,7 @@ def test_a_damaged_row_group_is_one_line_naming_it(tmp_path, tiny_dir, column):
 
 def test_the_tiny_sidecar_is_the_official_format_and_official_sidecars_read(tmp_path, tiny_dir):
     from official_format import official_dataset_problems
-    from shared.spec import load_spec
+    from nla_grpo.shared.spec import load_spec
 
     meta = yaml.safe_load((tiny_dir / "rl.parquet.nla_meta.yaml").read_text())
     assert official_dataset_problems(meta) == []

@@ -17,7 +17,7 @@ def _parsers(parser, name="nla-grpo"):
 
 
 def test_every_option_says_what_it_does_and_its_default():
-    from orchestrator.cli import _parser
+    from nla_grpo.orchestrator.cli import _parser
 
     for name, parser in _parsers(_parser()):
         text = parser.format_help()
@@ -44,8 +44,8 @@ def test_every_option_says_what_it_does_and_its_default():
     ({}, ["weight_sync.kind=host", "weight_sync.chunk=3"], "--set: weight_sync.chunk: unknown key (weight_sync.kind=host)"),
 ])
 def test_an_unknown_key_gets_a_suggestion_and_an_override_is_named_as_one(raw, overrides, line):
-    from shared.config import build_config
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
 
     with pytest.raises(NlaInputError) as exc:
         build_config(raw, "c.yaml", overrides)
@@ -82,7 +82,7 @@ def test_a_damaged_run_directory_config_is_named_and_never_executed(tmp_path, da
 
 
 def test_the_step_line_tail_reads_elapsed_pace_and_time_left():
-    from orchestrator.driver import clock, progress
+    from nla_grpo.orchestrator.driver import clock, progress
 
     assert clock(0) == "0:00:00" and clock(59.6) == "0:01:00" and clock(3 * 3600 + 62) == "3:01:02"
     assert progress(10.0, 4, 6) == "0:00:10 elapsed, 2.50 s/step, eta 0:00:15"
@@ -105,7 +105,7 @@ def _run_in(cwd, env, *args):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT), **env))
 
 

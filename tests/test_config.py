@@ -1,8 +1,8 @@
 import pytest
 import yaml
 
-from shared.config import RunConfig, build_config, dump_config, field_docs, load_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import RunConfig, build_config, dump_config, field_docs, load_config
+from nla_grpo.shared.errors import NlaInputError
 
 from conftest import ROOT
 
@@ -19,7 +19,7 @@ def test_deploy_configs_validate():
         if path.name.startswith("runtime-env"):
             continue
         if path.name.startswith("pipeline-"):  # a pipeline: its run config with its overrides must validate too
-            from orchestrator.pipeline import load_pipeline
+            from nla_grpo.orchestrator.pipeline import load_pipeline
 
             pipe, here = load_pipeline(path, [])
             load_config(here / pipe.config, pipe.set)
@@ -74,7 +74,7 @@ def test_weight_sync_variants_and_overrides():
 
 
 def test_a_saved_config_from_before_weight_sync_resumes_as_it_ran():
-    from shared.config import upgrade_saved_config
+    from nla_grpo.shared.config import upgrade_saved_config
 
     old = yaml.safe_load(dump_config(RunConfig()))
     old.pop("weight_sync")
@@ -132,8 +132,8 @@ def test_learner_gpus_zero_is_only_wrong_where_it_is_used():
 
 
 def test_quantization_one_field_for_every_service_and_the_older_key_still_reads():
-    from shared.config import upgrade_saved_config
-    from shared.quantization import vllm_options
+    from nla_grpo.shared.config import upgrade_saved_config
+    from nla_grpo.shared.quantization import vllm_options
 
     gpu = {"placement": {"mode": "colocated"}, "critic": {"lora_r": 8}}
     cfg = build_config({**gpu, "model": {"quantization": "nf4"}}, "c")
@@ -154,7 +154,7 @@ def test_quantization_one_field_for_every_service_and_the_older_key_still_reads(
 
 
 def test_enable_thinking_is_unset_by_default_and_old_runs_keep_false():
-    from shared.config import upgrade_saved_config
+    from nla_grpo.shared.config import upgrade_saved_config
 
     assert build_config({}, "c").prompts.enable_thinking is None
     assert build_config({"prompts": {"enable_thinking": "unset"}}, "c").prompts.enable_thinking is None

@@ -3,8 +3,8 @@ other rule's, and a config breaking several is refused with every problem, a lin
 import pytest
 
 from conftest import ROOT, run_cli
-from shared.config import CROSS_FIELD_RULES, RunConfig, build_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import CROSS_FIELD_RULES, RunConfig, build_config
+from nla_grpo.shared.errors import NlaInputError
 
 GPU = {"placement": {"mode": "colocated"}, "model": {"dtype": "bfloat16"}}
 
@@ -154,7 +154,7 @@ def test_sleep_during_update_auto_is_left_to_the_start_only_where_the_batch_does
     (9216, 9216, False),
 ])
 def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, sleeps):
-    from shared.config import sleep_pays_for_budget
+    from nla_grpo.shared.config import sleep_pays_for_budget
 
     cfg = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "max_new_tokens": 150}))
     assert sleep_pays_for_budget(cfg, awake, kept) is sleeps
@@ -167,7 +167,7 @@ def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, slee
 
 
 def test_sleep_auto_without_a_budget_falls_back_to_the_batch():
-    from shared.config import sleep_pays_for_budget
+    from nla_grpo.shared.config import sleep_pays_for_budget
 
     big = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}))
     small = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}))
@@ -189,7 +189,7 @@ class _Learner:
     (None, None, False, "fixed micro-batch: the engines stay awake"),
 ])
 def test_the_driver_decides_sleep_auto_from_the_learners_budget_and_says_why(awake, kept, sleeps, says):
-    from orchestrator.driver import resolve_sleep
+    from nla_grpo.orchestrator.driver import resolve_sleep
 
     cfg = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "max_new_tokens": 150}))
     lines = []

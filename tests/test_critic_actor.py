@@ -4,9 +4,9 @@ import json
 import pytest
 import torch
 
-from shared.config import build_config
-from shared.data import read_rows
-from shared.spec import load_spec
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.data import read_rows
+from nla_grpo.shared.spec import load_spec
 
 pytestmark = pytest.mark.slow
 
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.slow
 def test_actor_matches_in_process(tiny_dir, tmp_path):
     import ray
 
-    from critic.actor import CriticActor
-    from shared.actors import remote
-    from critic.scoring import Critic
+    from nla_grpo.critic.actor import CriticActor
+    from nla_grpo.shared.actors import remote
+    from nla_grpo.critic.scoring import Critic
 
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
     cfg = build_config({"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import run_cli
-from shared.config import build_config
-from shared.schema import normalize_activation
-from shared.spec import load_spec
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.schema import normalize_activation
+from nla_grpo.shared.spec import load_spec
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 
@@ -75,7 +75,7 @@ def _write_reference(tmp_path, tiny_dir, meta_overrides=None, extra=None, model_
 @pytest.mark.parametrize("norm", ["stripped", "kept"])
 def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path, norm):
     """Also an AR saved with the final norm kept, which the reference trainer still loads as such."""
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
 
     model = _model_with_a_final_norm(tiny_dir, tmp_path)
     ref, ar = _write_reference(tmp_path, tiny_dir, {"final_norm_stripped": norm == "stripped"}, model_dir=model)
@@ -110,9 +110,9 @@ def test_imported_ar_predicts_like_the_reference(tiny_dir, tmp_path, norm):
 
 
 def test_a_4bit_ar_imports_and_loads_only_into_an_nf4_critic(tiny_dir, tmp_path):
-    from critic.import_reference import import_reference_ar
-    from critic.scoring import Critic
-    from shared.errors import NlaInputError
+    from nla_grpo.critic.import_reference import import_reference_ar
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.shared.errors import NlaInputError
 
     _, ar = _write_reference(tmp_path, tiny_dir, {"quant": "4bit"})
     assert import_reference_ar(ar, tmp_path / "critic", tiny_dir / "model").quantization == "nf4"
@@ -131,8 +131,8 @@ def test_a_4bit_ar_imports_and_loads_only_into_an_nf4_critic(tiny_dir, tmp_path)
     (None, {"backbone.model.embed_tokens.weight": torch.zeros(3, 3)}, "unexpected tensor 'backbone.model.embed_tokens.weight'"),
 ])
 def test_bad_reference_directories_stop_with_one_line(tiny_dir, tmp_path, meta, extra, needle):
-    from critic.import_reference import import_reference_ar
-    from shared.errors import NlaInputError
+    from nla_grpo.critic.import_reference import import_reference_ar
+    from nla_grpo.shared.errors import NlaInputError
 
     _, ar = _write_reference(tmp_path, tiny_dir, meta, extra)
     out = tmp_path / "critic"
@@ -149,9 +149,9 @@ def test_import_never_overwrites(tiny_dir, tmp_path):
 
 
 def test_the_critic_is_checked_against_its_checkpoint_before_any_actor(tiny_dir, tmp_path):
-    from critic.import_reference import import_reference_ar
-    from orchestrator.job import prepare_job
-    from shared.errors import NlaInputError
+    from nla_grpo.critic.import_reference import import_reference_ar
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.errors import NlaInputError
 
     _, ar = _write_reference(tmp_path, tiny_dir)
     import_reference_ar(ar, tmp_path / "critic", tiny_dir / "model")

@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from shared.config import CriticConfig, build_config
-from shared.data import read_rows
-from shared.prompts import render_critic_ids
-from shared.schema import normalize_activation
-from shared.spec import load_spec
+from nla_grpo.shared.config import CriticConfig, build_config
+from nla_grpo.shared.data import read_rows
+from nla_grpo.shared.prompts import render_critic_ids
+from nla_grpo.shared.schema import normalize_activation
+from nla_grpo.shared.spec import load_spec
 
 # mixed lengths, so every micro-batch but the one-at-a-time case has padding
 EXPLANATIONS = [
@@ -38,7 +38,7 @@ def _golds(tiny_dir, n):
 
 @pytest.fixture(scope="module")
 def service(tiny_dir):
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
 
     return Critic(_cfg(tiny_dir, micro_batch=len(EXPLANATIONS)), _spec(tiny_dir))
 
@@ -72,7 +72,7 @@ def test_identity_head_at_init_predicts_normalised_hidden_state(tiny_dir, num_la
     """Prediction = the residual stream after block num_layers-1 (pre final norm), normalised."""
     from transformers import AutoModelForCausalLM
 
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
 
     spec = _spec(tiny_dir)
     critic = Critic(_cfg(tiny_dir, num_layers=num_layers, micro_batch=4), spec)

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from shared.config import build_config
-from shared.data import read_rows
-from shared.errors import NlaInputError
-from shared.spec import load_spec
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.data import read_rows
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.spec import load_spec
 
 N_ROWS = 12
 
@@ -31,7 +31,7 @@ def _batch(tiny_dir):
 
 
 def _service(tiny_dir, **critic):
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
 
     return Critic(_cfg(tiny_dir, **critic), _spec(tiny_dir))
 
@@ -142,7 +142,7 @@ def test_save_load_is_bit_identical_and_resumes_exactly(tiny_dir, tmp_path, lora
     _assert_same(_weights(restored), _weights(trained))
 
     # the config route (critic.checkpoint) loads the same weights
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
 
     via_cfg = Critic(_cfg(tiny_dir, lora_r=lora_r, checkpoint=str(tmp_path / "ck")), _spec(tiny_dir))
     assert torch.equal(via_cfg.predict_ids(ids), _service_pred_after_load(tiny_dir, lora_r, tmp_path / "ck", ids))

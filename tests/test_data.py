@@ -6,11 +6,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shared.data import ShuffledOrder, is_eval_doc, read_rows, split_eval
-from shared.errors import NlaInputError
-from shared.prompts import find_marker_site, has_marker_trigram, render_av_ids, render_critic_text
-from shared.spec import load_spec, sidecar_path, validate_against_tokenizer
-from dataprep.tiny import build_tiny, write_rl_parquet
+from nla_grpo.shared.data import ShuffledOrder, is_eval_doc, read_rows, split_eval
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.prompts import find_marker_site, has_marker_trigram, render_av_ids, render_critic_text
+from nla_grpo.shared.spec import load_spec, sidecar_path, validate_against_tokenizer
+from nla_grpo.dataprep.tiny import build_tiny, write_rl_parquet
 
 
 def test_tiny_is_byte_identical_per_seed(tmp_path, tiny_dir):
@@ -99,7 +99,7 @@ def test_shuffled_order_deterministic_and_resumable():
 
 
 def test_learning_summary_means_first_and_last_windows_and_collects_evals():
-    from dataprep.tiny import learning_summary
+    from nla_grpo.dataprep.tiny import learning_summary
 
     rows = [{"step": i, "reward_mean": float(i), "fve": -float(i)} for i in range(10)]
     rows[4]["eval/fve"] = 0.5
@@ -113,7 +113,7 @@ def test_a_text_column_is_read_for_the_rows_asked_and_refused_in_one_line(tmp_pa
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from shared.data import read_text_column
+    from nla_grpo.shared.data import read_text_column
 
     path = tmp_path / "t.parquet"
     pq.write_table(pa.table({"text": ["zero", "one", " ", None]}), path)

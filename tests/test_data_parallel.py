@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, SHARED_RUN, run_cli, tiny_data
-from shared.collective import GradientSums, deal_micro_batches
-from shared.config import build_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.collective import GradientSums, deal_micro_batches
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.errors import NlaInputError
 
 TIMING = ("time/", "wall_s", "elapsed_s", "learner/tflops", "learner/tokens_per_s")
 # SHARED_RUN's micro-batches, two per rank: the plan one rank makes, dealt over two
@@ -86,7 +86,7 @@ def _learner_rank_pids() -> list[int]:
 def test_a_rank_that_dies_is_one_line_naming_it(tiny_dir, tmp_path):
     run = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
+    cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
            "--steps", "200", "--set", f"model.path={tiny_dir / 'model'}", "--set", f"data.parquet={tiny_dir / 'rl.parquet'}",
            "--set", "logging.eval_every=0", "--set", "checkpointing.every=0", *RANKS]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -152,7 +152,7 @@ def test_rank_settings_that_cannot_work_are_refused(raw, needle):
 
 
 def test_gpus_needed_count_every_rank():
-    from orchestrator.placement import gpu_count_needed
+    from nla_grpo.orchestrator.placement import gpu_count_needed
 
     cfg = build_config({"placement": {"mode": "split", "learner_workers": 6, "critic_workers": 6}, "rollout": {"num_engines": 2}}, "c")
     assert gpu_count_needed(cfg) == 8

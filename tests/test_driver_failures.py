@@ -3,12 +3,12 @@ import os
 
 import pytest
 
-from orchestrator.groups import CriticGroup, LearnerGroup
-from orchestrator.job import absolute_paths, prepare_job
-from orchestrator.placement import Services
-from orchestrator.run_dir import RunDir
-from shared.config import build_config
-from shared.types import AdapterUpdate, Sample
+from nla_grpo.orchestrator.groups import CriticGroup, LearnerGroup
+from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+from nla_grpo.orchestrator.placement import Services
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.types import AdapterUpdate, Sample
 
 from conftest import ROOT
 
@@ -143,7 +143,7 @@ def _job(tiny_dir, steps, overlap=False):
 
 
 def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None, engines=1):
-    from shared.actors import remote  # as placement makes them remote
+    from nla_grpo.shared.actors import remote  # as placement makes them remote
 
     rollouts = [remote(FakeRollout).remote(group, die_at_call) for _ in range(engines)]
     return Services(rollouts, LearnerGroup([remote(FakeLearner).remote(skip_at, fail_at)]),
@@ -152,7 +152,7 @@ def _services(ray, group, die_at_call=None, skip_at=None, fail_at=None, engines=
 
 def _failed_run(ray, tiny_dir, tmp_path, steps, **faults):
     """The StepError's message of a run with stand-in actors that fail as ``faults`` say, and its run dir."""
-    from orchestrator.driver import StepError, train
+    from nla_grpo.orchestrator.driver import StepError, train
 
     job = _job(tiny_dir, steps=steps)
     run = RunDir.create(tmp_path / "run", job.cfg)
@@ -168,7 +168,7 @@ def test_dead_rollout_actor_is_one_line_with_the_step(ray_local, tiny_dir, tmp_p
 
 
 def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_path):
-    from orchestrator.driver import train
+    from nla_grpo.orchestrator.driver import train
 
     job = _job(tiny_dir, steps=4)
     run = RunDir.create(tmp_path / "run", job.cfg)
@@ -184,7 +184,7 @@ def test_skipped_step_keeps_version_and_skips_critic(ray_local, tiny_dir, tmp_pa
 
 
 def test_the_start_names_each_kind_of_engine_once(ray_local, tiny_dir, tmp_path):
-    from orchestrator.driver import train
+    from nla_grpo.orchestrator.driver import train
 
     job = _job(tiny_dir, steps=1)
     lines = []
@@ -195,7 +195,7 @@ def test_the_start_names_each_kind_of_engine_once(ray_local, tiny_dir, tmp_path)
 @pytest.mark.parametrize("overlap,expected", [(False, [[1], [2], [3], [4]]), (True, [[1], [1], [2], [3]])])
 def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_local, tiny_dir, tmp_path, overlap, expected):
     """With overlap, step k+1's samples come from v_k: launched before update k, served before push k."""
-    from orchestrator.driver import train
+    from nla_grpo.orchestrator.driver import train
 
     job = _job(tiny_dir, steps=4, overlap=overlap)
     run = RunDir.create(tmp_path / "run", job.cfg)
@@ -206,7 +206,7 @@ def test_overlap_rolls_out_the_next_step_on_the_adapter_before_the_update(ray_lo
 
 
 def test_ranks_that_disagree_stop_the_checkpoint_with_one_line(ray_local, tmp_path):
-    from orchestrator.groups import RankFailure
+    from nla_grpo.orchestrator.groups import RankFailure
 
     a, b = ray_local.remote(FakeLearner).remote(), ray_local.remote(FakeLearner).remote()
     group = LearnerGroup([a, b])
@@ -234,7 +234,7 @@ def test_an_error_inside_an_actor_is_its_cause_in_one_line(ray_local, tiny_dir, 
 def test_input_errors_and_causes_cross_ray(ray_local):
     import pickle
 
-    from shared.errors import NlaInputError, one_line
+    from nla_grpo.shared.errors import NlaInputError, one_line
 
     err = pickle.loads(pickle.dumps(NlaInputError("data.parquet", "row 3: NaN")))
     assert isinstance(err, NlaInputError) and err.where == "data.parquet" and str(err) == "data.parquet: row 3: NaN"
@@ -281,7 +281,7 @@ class _FailsToStart:
                     raise ValueError(f"max_tokens ({v}) is smaller than max_model_len (512)")
 
             EngineConfig(max_tokens=1)
-        from shared.errors import NlaInputError
+        from nla_grpo.shared.errors import NlaInputError
 
         raise NlaInputError("rollout.engine_options", "expected a dict")
 
@@ -297,9 +297,9 @@ class _FailsInAMethod:
 def test_a_cause_that_cannot_be_pickled_still_crosses_ray_as_its_line(ray_local):
     """Ray replaces an exception it cannot pickle by one naming only its type, and keeps only the text of a
     failed constructor: the actor made by ``shared.actors.remote`` sends the innermost cause's own line."""
-    from orchestrator.driver import startup_error
-    from shared.actors import remote
-    from shared.errors import ServiceError, crossing, one_line
+    from nla_grpo.orchestrator.driver import startup_error
+    from nla_grpo.shared.actors import remote
+    from nla_grpo.shared.errors import ServiceError, crossing, one_line
 
     assert isinstance(crossing(RuntimeError("x")), RuntimeError)  # what pickles crosses as itself
     with pytest.raises(RuntimeError) as got:
@@ -323,7 +323,7 @@ def test_a_cause_that_cannot_be_pickled_still_crosses_ray_as_its_line(ray_local)
 def test_one_line_reads_a_validation_error_past_its_header():
     from pydantic import BaseModel, Field, ValidationError
 
-    from shared.errors import describe, one_line
+    from nla_grpo.shared.errors import describe, one_line
 
     class C(BaseModel):
         lr: float = Field(gt=0)
@@ -340,7 +340,7 @@ def test_one_line_reads_a_validation_error_past_its_header():
 def test_one_line_follows_causes_not_the_error_being_handled():
     """``raise X from Y``: Y is the cause. An error raised while another was handled (no ``from``) is the
     one its code chose to report. An input error is the user's line even when it names a cause."""
-    from shared.errors import NlaInputError, one_line
+    from nla_grpo.shared.errors import NlaInputError, one_line
 
     def chained(outer, inner, explicit):
         try:
@@ -362,7 +362,7 @@ def test_one_line_follows_causes_not_the_error_being_handled():
 def test_a_bare_interrupt_is_named_by_the_signal_the_handler_took(monkeypatch):
     """A SIGTERM that lands while the driver waits inside Ray comes back as ``KeyboardInterrupt()`` without
     its name: the line still says SIGTERM (exit 143), from what the handler noted."""
-    import orchestrator.driver as driver
+    import nla_grpo.orchestrator.driver as driver
 
     monkeypatch.setattr(driver, "_received", [])
     assert driver.interrupted_by(KeyboardInterrupt()) == "SIGINT"  # no handler ran: Ctrl-C's default

@@ -1,10 +1,10 @@
 """The vLLM engine plan (rollout.engine_plan): batch limits, CUDA-graph sizes, KV reservation, from the batch."""
 import pytest
 
-from rollout.engine_plan import (COLOCATED_SHARE, ENGINE_OVERHEAD_BYTES, KV_MARGIN, SPLIT_SHARE, capture_sizes,
+from nla_grpo.rollout.engine_plan import (COLOCATED_SHARE, ENGINE_OVERHEAD_BYTES, KV_MARGIN, SPLIT_SHARE, capture_sizes,
                                  kv_bytes_per_token,
                                  plan_engine, step_kv_tokens)
-from shared.config import build_config
+from nla_grpo.shared.config import build_config
 
 QWEN3_8B_KV = {"layers": 36, "kv_heads": 8, "head_dim": 128, "elem_bytes": 2}
 GIB = 1 << 30
@@ -67,7 +67,7 @@ def test_split_auto_takes_the_gpu_and_set_values_stand():
 
 
 def test_bad_values_are_refused():
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     for bad in ({"gpu_memory_utilization": "most"}, {"gpu_memory_utilization": 1.5}, {"max_num_seqs": 0},
                 {"max_num_seqs": "many"}):
@@ -80,7 +80,7 @@ def test_the_kv_element_follows_the_engines_cache_dtype(tiny_dir):
     import json
 
     import torch
-    from rollout.vllm.engine import model_shape
+    from nla_grpo.rollout.vllm.engine import model_shape
 
     c = json.loads((tiny_dir / "model" / "config.json").read_text())
 
@@ -130,7 +130,7 @@ def test_the_colocated_kv_gives_way_to_what_the_learner_and_critic_hold():
 
 
 def test_no_room_for_an_engine_is_one_line_naming_the_field():
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     with pytest.raises(NlaInputError, match=r"^rollout.gpu_memory_utilization: auto: a 40.0 GiB GPU leaves an engine"):
         plan_engine(_ro(), 64, 512, QWEN3_8B_KV, colocated=True, weight_bytes=16 * GIB, total_bytes=40 * GIB,
@@ -152,8 +152,8 @@ def test_the_engine_plan_takes_the_residents_on_a_colocated_gpu(tiny_dir, capsys
     caps the KV and prints the [plan] line); a fixed share plans no residents."""
     import torch
 
-    from rollout.engine_plan import ENGINE_OVERHEAD_BYTES
-    from rollout.vllm.engine import engine_kwargs, gpu_plan, weight_bytes
+    from nla_grpo.rollout.engine_plan import ENGINE_OVERHEAD_BYTES
+    from nla_grpo.rollout.vllm.engine import engine_kwargs, gpu_plan, weight_bytes
 
     model = {"path": str(tiny_dir / "model"), "dtype": "bfloat16"}
     cfg = build_config({"model": model, "placement": {"mode": "colocated"}})

@@ -17,9 +17,9 @@ import pytest
 import yaml
 
 from conftest import ROOT, run_cli
-from dataprep import explain
-from dataprep.explain import explain_splits, parse_teacher_reply, teacher_prompt
-from shared.errors import NlaInputError
+from nla_grpo.dataprep import explain
+from nla_grpo.dataprep.explain import explain_splits, parse_teacher_reply, teacher_prompt
+from nla_grpo.shared.errors import NlaInputError
 from teacher_server import TeacherServer
 
 WORDS = "sea salt ship tide fish coral harbor storm".split()
@@ -30,7 +30,7 @@ def make_splits(d: Path, rows=ROWS) -> dict:
     """Splits in ``data extract``'s schema (its own table writer) and sidecars; returns the answers the
     scripted teacher must give, per split in row order. Every fifth row's ``activation_token`` does not
     end its text, so the marker goes after the text."""
-    from dataprep.extract import AR_TEMPLATE, AV_TEMPLATE, _table
+    from nla_grpo.dataprep.extract import AR_TEMPLATE, AV_TEMPLATE, _table
 
     d.mkdir(parents=True, exist_ok=True)
     prompt = [{"role": "user", "content": AV_TEMPLATE.format(injection_char="<INJECT>")}]
@@ -55,8 +55,8 @@ def make_splits(d: Path, rows=ROWS) -> dict:
 
 
 def cli(d, url, *extra, wait=True):
-    """``python -m dataprep.explain`` as a user would run it (a fresh process)."""
-    cmd = [sys.executable, "-m", "dataprep.explain", str(d), "--base-url", url, "--model", "teacher", "--retries", "0",
+    """``python -m nla_grpo.dataprep.explain`` as a user would run it (a fresh process)."""
+    cmd = [sys.executable, "-m", "nla_grpo.dataprep.explain", str(d), "--base-url", url, "--model", "teacher", "--retries", "0",
            "--concurrency", "4", *map(str, extra)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     if not wait:
@@ -93,7 +93,7 @@ def test_the_prompt_marks_the_token_and_only_explanations_are_kept():
 
 def test_a_straight_run_writes_the_explained_splits_and_a_sidecar_the_official_reader_takes(tmp_path):
     from official_format import official_dataset_problems
-    from shared.spec import load_spec
+    from nla_grpo.shared.spec import load_spec
 
     expected = make_splits(tmp_path)
     lines = []
@@ -236,7 +236,7 @@ def test_bad_splits_are_one_line(tmp_path):
 
 def test_max_rows_takes_the_first_rows_and_anthropic_usage_is_counted(tmp_path):
     """``max_rows`` explains a prefix; the client reads each API's usage (0 where none is reported)."""
-    from evals.chat_client import ChatClient
+    from nla_grpo.evals.chat_client import ChatClient
 
     expected = make_splits(tmp_path)
     with TeacherServer() as server:
@@ -268,7 +268,7 @@ def test_why_rows_were_dropped_is_counted_and_printed(tmp_path):
 def _cli(*args, **kw):
     """``nla-grpo`` itself, as a user runs it (a fresh process)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import run_cli
-from shared.errors import NlaInputError
-from dataprep.extract import extract, parse_splits, split_of
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.dataprep.extract import extract, parse_splits, split_of
 
 WORDS = "sea wave salt ship tide fish coral harbor sailor storm tree leaf moss wolf pine".split()
 
@@ -39,8 +39,8 @@ def test_vectors_are_the_models_hidden_states_and_splits_are_disjoint(tiny_dir, 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from official_format import official_dataset_problems
-    from dataprep.extract import Extractor
-    from shared.torch_utils import right_pad
+    from nla_grpo.dataprep.extract import Extractor
+    from nla_grpo.shared.torch_utils import right_pad
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32).eval()
     residuals, batch_worst = Extractor.residuals, []

@@ -19,7 +19,7 @@ def test_a_signal_stops_the_run_with_one_line_and_it_resumes(tiny_dir, tmp_path,
     """Also: while it runs, nothing of the job (Ray's daemons and agents, the driver, every actor, vLLM,
     the data-parallel ranks' store and gloo) listens beyond loopback."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
+    cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
            "--steps", "400", *tiny_data(tiny_dir), "--set", "logging.eval_every=0", "--set", "checkpointing.every=2",
            "--set", f"placement.learner_workers={ranks}", "--set", f"placement.critic_workers={ranks}"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
@@ -59,7 +59,7 @@ def test_a_learner_killed_while_the_services_start_is_one_line(tiny_dir, tmp_pat
     import psutil
 
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
+    cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(run),
            "--steps", "4", *tiny_data(tiny_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)

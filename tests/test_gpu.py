@@ -8,9 +8,9 @@ import torch
 
 from conftest import ROOT, run_cli
 from rollout_support import tiny_config, tiny_requests
-from shared.config import build_config
-from shared.spec import load_spec, sidecar_path
-from dataprep.tiny import GPU_OVERRIDES, learning_summary
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.spec import load_spec, sidecar_path
+from nla_grpo.dataprep.tiny import GPU_OVERRIDES, learning_summary
 
 # the colocated job's gains over 250 steps (last 25 minus first 25 steps' means): below the smallest
 # gains of three seeds on an H200 (+2.03 and +1.58, benchmarks/RESULTS.md §3), about half of them
@@ -85,9 +85,9 @@ def _release_earlier_engines() -> None:
 
 def _measure_parity(tiny_dir, transport, injection, quantization, limits, lora="adapter", vector_input="prompt_embeds",
                     key=None) -> list[float]:
-    from learner.learner import Learner
-    from rollout.vllm.handles import model_runner
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.vllm.handles import model_runner
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = _gpu_config(tiny_dir, transport, injection, quantization, lora, vector_input)
@@ -189,9 +189,9 @@ def test_the_merged_nf4_engine_runs_the_learners_dequantised_base(tiny_bf16_dir)
     the NF4 learner stays within 2x of the bf16 merged pair's."""
     pytest.importorskip("vllm")
     bnbf = pytest.importorskip("bitsandbytes.functional")
-    from learner.learner import Learner
-    from rollout.vllm.handles import worker_model
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.vllm.handles import worker_model
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     cfg = _gpu_config(tiny_bf16_dir, "memory", None, "nf4", "merged")
@@ -248,7 +248,7 @@ def test_nf4_parity_on_a_larger_random_shape(tmp_path):
 
 def test_8bit_adamw_state_round_trips_bit_exactly(tmp_path):
     bnb = pytest.importorskip("bitsandbytes")
-    from shared.fileio import load_optimizer, save_optimizer
+    from nla_grpo.shared.fileio import load_optimizer, save_optimizer
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(256, 64, device="cuda")), torch.nn.Parameter(torch.randn(4096, device="cuda"))]
@@ -282,10 +282,10 @@ def test_an_imported_4bit_ar_predicts_what_a_reference_style_nf4_critic_predicts
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from critic.import_reference import import_reference_ar
-    from critic.scoring import Critic
-    from shared.quantization import hf_quantization
-    from shared.schema import normalize_activation
+    from nla_grpo.critic.import_reference import import_reference_ar
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.shared.quantization import hf_quantization
+    from nla_grpo.shared.schema import normalize_activation
 
     targets = ["q_proj", "v_proj", "down_proj"]
     config = AutoConfig.from_pretrained(tiny_dir / "model")
@@ -332,7 +332,7 @@ def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    from shared.quantization import hf_quantization
+    from nla_grpo.shared.quantization import hf_quantization
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from nf4_checkpoint import QUANTIZATION_CONFIG, quantized_state
@@ -360,8 +360,8 @@ def test_a_checkpoint_written_pre_quantised_loads_as_transformers_own(tiny_bf16_
     assert torch.equal(loaded(x).logits, theirs(x).logits)
     # the learner's and the critic's own loaders read it as saved (an explicit quantization_config=None would
     # not) and get the base they get by quantising the bf16 checkpoint on load
-    from critic.model import load_truncated_backbone
-    from learner.policy import load_base_model
+    from nla_grpo.critic.model import load_truncated_backbone
+    from nla_grpo.learner.policy import load_base_model
 
     def learner_logits(path):
         cfg = build_config({"model": {"path": str(path), "dtype": "bfloat16", "quantization": "nf4"}, "placement": {"mode": "colocated"}}, "gpu-test")
@@ -448,8 +448,8 @@ def test_split_job_on_two_gpus(tiny_dir, tmp_path, route):
 def _cache_check(tiny_dir, injection, block: int, vector_input: str = "prompt_embeds"):
     """The prefix-cache checks' colocated config (eager, ``block``-token KV blocks), learner and engine, and the
     twin's mean |dlogp| against the learner (the second group of ``twin_batch``)."""
-    from learner.learner import Learner
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.vllm.engine import VllmEngine
     from rollout_support import vectors_of
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
@@ -481,7 +481,7 @@ def test_the_multimodal_route_keeps_vectors_apart_and_repeats_its_seeds_on_the_g
     vllm = pytest.importorskip("vllm")
     from vllm.v1.core import kv_cache_utils
 
-    from rollout.vllm.handles import model_runner
+    from nla_grpo.rollout.vllm.handles import model_runner
     from rollout_support import cache_hits, expected_hits, hits_per_request, twin_batch
 
     block = 16
@@ -550,7 +550,7 @@ def test_the_seeded_noise_kernel_computes_the_reference_and_the_engine_samples_w
     """The Triton kernel gives ``exponential_noise_reference``'s values (the CPU-tested function) at the
     vocabulary's size; a GPU engine samples its seeded requests through it, the same tokens run after run."""
     pytest.importorskip("vllm")
-    from rollout.seeded_noise import OFFSET_STEP, exponential_noise, exponential_noise_reference
+    from nla_grpo.rollout.seeded_noise import OFFSET_STEP, exponential_noise, exponential_noise_reference
 
     gen = torch.Generator().manual_seed(0)
     seeds = torch.randint(-2 ** 62, 2 ** 62, (64,), generator=gen).cuda()
@@ -561,7 +561,7 @@ def test_the_seeded_noise_kernel_computes_the_reference_and_the_engine_samples_w
 
     from vllm.v1.sample.ops import topk_topp_sampler as sampler
 
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     raw = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
@@ -595,11 +595,11 @@ def test_an_engine_core_in_its_own_process_takes_the_cuda_ipc_push_by_its_handle
     """rollout.engine_core=own_process on one GPU: the actor hands the learner's cuda_ipc message on to vLLM's
     worker, which opens the handle itself; the rollout then matches the learner at the bf16 noise floor."""
     pytest.importorskip("vllm")
-    from learner.learner import Learner
-    from rollout.actor import RolloutActor
-    from rollout.vllm.handles import engine_in_process
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.actor import RolloutActor
+    from nla_grpo.rollout.vllm.handles import engine_in_process
     from rollout_support import vectors_of
-    from shared.weight_sync import CudaIpcSender
+    from nla_grpo.shared.weight_sync import CudaIpcSender
 
     spec = load_spec(sidecar_path(tiny_bf16_dir / "rl.parquet"))
     raw = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
@@ -631,7 +631,7 @@ def test_an_nla_reads_on_the_gpu_through_vllm(tiny_bf16_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
     from nla_grpo import NLA
 
     model_dir, sidecar = tiny_bf16_dir / "model", tiny_bf16_dir / "rl.parquet.nla_meta.yaml"

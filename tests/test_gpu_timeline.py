@@ -115,7 +115,7 @@ def test_the_colocated_job_benchmark_runs_the_shipped_config():
     import yaml
 
     import job_benchmark
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     ap = argparse.ArgumentParser()
     job_benchmark.step_benchmark.add_workload_args(ap, steps=3)

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from learner.grpo import grpo_loss, group_advantages, k3, logprob_mismatch
+from nla_grpo.learner.grpo import grpo_loss, group_advantages, k3, logprob_mismatch
 
 
 def _loop_loss(new, old, ref, adv, lengths, clip_eps, kl_beta):
@@ -109,7 +109,7 @@ def test_no_reference_is_the_loss_without_its_kl_term():
 
 
 def test_executed_flops_count_the_reference_pass_only_when_it_runs():
-    from learner.update_metrics import update_throughput
+    from nla_grpo.learner.update_metrics import update_throughput
 
     n, seconds = 10 ** 9, 2.0
     full = update_throughput(n, 3000, 1000, 0, 1, seconds)
@@ -189,7 +189,7 @@ def test_micro_batch_losses_over_the_batch_count_add_up_to_the_batch_loss():
 
 
 def test_tis_weights_are_the_capped_ratio_and_one_off_the_mask():
-    from learner.grpo import tis_weights
+    from nla_grpo.learner.grpo import tis_weights
 
     learner = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-3.0, float("nan"), -1.0, -1.0]])
     rollout = torch.tensor([[-1.0, -3.0, -0.1, -9.0], [-2.0, -1.0, -math.inf, -1.0]])
@@ -204,7 +204,7 @@ def test_tis_weights_are_the_capped_ratio_and_one_off_the_mask():
 def test_tis_weights_scale_each_tokens_policy_gradient(seed):
     """At one epoch (old = the learner's own logprobs) the surrogate's gradient per token is -w·A over the
     sample's tokens and the sample count; weights of 1 give the unweighted loss exactly."""
-    from learner.grpo import tis_weights
+    from nla_grpo.learner.grpo import tis_weights
 
     lengths = [4, 9, 1, 6]
     new, _, ref, adv, mask = _random_batch(seed, lengths)

@@ -3,7 +3,7 @@ when it starts to hold and again only after it cleared, a healthy run prints not
 needs a step-0 eval to compare with."""
 import math
 
-from orchestrator.health import HealthWatch, empty_share, health_signs
+from nla_grpo.orchestrator.health import HealthWatch, empty_share, health_signs
 
 
 def test_empty_share_counts_missing_and_blank_explanations():
@@ -31,7 +31,7 @@ def test_signs_the_row_cannot_tell_are_not_judged():
 
 
 def test_the_kl_sign_watches_runs_from_an_adapter_only():
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     def watch(adapter):
         raw = {"learner": {"adapter_init": adapter}} if adapter else {}

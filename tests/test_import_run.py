@@ -29,7 +29,7 @@ def _reference_batches(pending, cursor, rng, steps):
 
 
 def test_reference_order_continues_the_reference_trainers_order():
-    from shared.data import ReferenceOrder, order_from_state
+    from nla_grpo.shared.data import ReferenceOrder, order_from_state
 
     ours = ReferenceOrder(ROWS, SEED)
     ref_rng = np.random.default_rng(SEED)
@@ -48,7 +48,7 @@ def test_reference_order_continues_the_reference_trainers_order():
 
 
 def test_the_reference_split_trains_on_the_first_rows_and_evaluates_past_the_skip():
-    from shared.data import RlRows, split_reference
+    from nla_grpo.shared.data import RlRows, split_reference
 
     docs = ["a", "b", "a", "c", "d", "c", "e", "d"]
     rows = RlRows([[{"role": "user", "content": str(i)}] for i in range(8)], np.zeros((8, 2), np.float32), docs,
@@ -181,11 +181,11 @@ def test_the_first_step_after_import_is_the_reference_trainers_step(tiny_dir, re
     import yaml
     from safetensors.torch import load_file
 
-    from learner.policy import POLICY, REFERENCE
-    from learner.learner import Learner
-    from orchestrator.import_run import import_run
-    from orchestrator.run_dir import RunDir
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.learner.policy import POLICY, REFERENCE
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.orchestrator.import_run import import_run
+    from nla_grpo.orchestrator.run_dir import RunDir
+    from nla_grpo.shared.spec import load_spec, sidecar_path
     from test_learner_support import sample_responses
 
     cfg_path = _config(tiny_dir, tmp_path / "c.yaml")
@@ -236,10 +236,10 @@ def test_a_co_trained_critic_is_imported_with_the_run(tiny_dir, reference_iter, 
     critic; its moments restart (said in one line)."""
     import yaml
 
-    from critic.scoring import Critic
-    from orchestrator.import_run import import_run
-    from orchestrator.run_dir import RunDir
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.orchestrator.import_run import import_run
+    from nla_grpo.orchestrator.run_dir import RunDir
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     cfg_path = _config(tiny_dir, tmp_path / "c.yaml")
     raw = yaml.safe_load(cfg_path.read_text())
@@ -258,7 +258,7 @@ def test_a_co_trained_critic_is_imported_with_the_run(tiny_dir, reference_iter, 
 def test_an_av_sft_that_is_not_the_runs_anchor_is_refused(tiny_dir, reference_iter, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from orchestrator.import_run import import_run
+    from nla_grpo.orchestrator.import_run import import_run
 
     other = tmp_path / "other_sft"
     shutil.copytree(reference_iter["av_sft"], other)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shared.injection import KarvonenHook, embed_batch, embed_prompt, injection_vector, karvonen_apply, karvonen_delta
+from nla_grpo.shared.injection import KarvonenHook, embed_batch, embed_prompt, injection_vector, karvonen_apply, karvonen_delta
 
 
 def test_embed_prompt_replaces_only_the_site():
@@ -77,10 +77,10 @@ def test_injection_vector_is_fp32_and_scaled():
 def test_an_adapter_trained_with_another_injection_is_refused_before_any_actor(tiny_dir, tmp_path):
     import json
 
-    from orchestrator.job import prepare_job
-    from shared.config import build_config
-    from shared.errors import NlaInputError
-    from shared.injection import INJECTION_RECORD, check_adapter_injection, injection_record
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
+    from nla_grpo.shared.injection import INJECTION_RECORD, check_adapter_injection, injection_record
 
     def cfg(**injection):
         return build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},

@@ -114,7 +114,7 @@ def test_a_killed_run_resumes_exactly(tiny_dir, tmp_path, six_step_run):
     killed = tmp_path / "killed"
     ray_root = private_ray_dir()  # the killed driver's local Ray, to stop alone afterwards
     env = dict(os.environ, PYTHONPATH=str(ROOT), RAY_TMPDIR=ray_root)
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
+    cmd = [sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", str(ROOT / "deploy/tiny.yaml"), "--run-dir", str(killed),
            "--steps", "6", *tiny_data(tiny_dir), *SHARED_RUN]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 600
@@ -216,7 +216,7 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
         sub = subprocess.run(
             [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT),
              "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
-             sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
+             sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", "deploy/tiny.yaml", "--run-dir", str(run_dir), "--steps", "3",
              *tiny_data(tiny_dir), "--set", "logging.eval_every=0"],
             capture_output=True, text=True, env=env, timeout=800)
         assert sub.returncode == 0, (sub.stdout[-3000:], sub.stderr[-2000:])
@@ -225,7 +225,7 @@ def test_ray_job_submit_succeeds(tiny_dir, tmp_path):
         lost = subprocess.run(
             [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT),
              "--runtime-env", str(ROOT / "deploy/runtime-env.yaml"), "--",
-             sys.executable, "-m", "orchestrator.cli", "train", "deploy/tiny.yaml", "--steps", "3", *tiny_data(tiny_dir)],
+             sys.executable, "-m", "nla_grpo.orchestrator.cli", "train", "deploy/tiny.yaml", "--steps", "3", *tiny_data(tiny_dir)],
             capture_output=True, text=True, env=env, timeout=300)
         out = lost.stdout + lost.stderr
         assert lost.returncode != 0 and "failed" in out.lower(), out[-3000:]

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, run_cli
-from evals.judges import Judge
-from evals.tasks import EvalItem, HallucinationEval, KarvonenConfusionEval, run_evals
+from nla_grpo.evals.judges import Judge
+from nla_grpo.evals.tasks import EvalItem, HallucinationEval, KarvonenConfusionEval, run_evals
 from judge_server import JudgeServer
-from shared.config import build_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.errors import NlaInputError
 
 KEY = "sk-judged-evals-secret-42"
 
@@ -72,7 +72,7 @@ def test_metrics_count_claims_and_quirks_and_never_pass_a_failure(monkeypatch):
 def test_eval_inputs_are_checked_before_any_actor(tiny_dir, tmp_path):
     import pyarrow.parquet as pq
 
-    from orchestrator.job import prepare_job
+    from nla_grpo.orchestrator.job import prepare_job
 
     base = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
             "evals": {"judge": {"model": "judge"}, "hallucination": {"enabled": True, "prompts": 4},

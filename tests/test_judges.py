@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from evals.judges import Judge, parse_json_reply
+from nla_grpo.evals.judges import Judge, parse_json_reply
 from judge_server import JudgeServer
-from shared.config import build_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.errors import NlaInputError
 
 KEY = "sk-test-0123456789abcdef"
 

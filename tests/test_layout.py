@@ -17,13 +17,33 @@ def test_every_place_in_the_table_exists():
     assert places and all((ROOT / p).exists() for p in places), [p for p in places if not (ROOT / p).exists()]
 
 
+def _installed_packages() -> dict[str, str]:
+    """pyproject's package-dir mapping: installed name -> folder in the repository."""
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
+
+
 def test_every_package_is_in_the_table():
     places = _table_places()
-    include = re.search(r"^include = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M).group(1)  # packages.find
-    packages = sorted({i.strip().strip('"').rstrip("*") for i in include.split(",")})
-    assert packages and all(f"{p}/" in places for p in packages), (packages, places)
-    on_disk = sorted(d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file())
-    assert on_disk == packages  # a new package is installed and documented, or it is not a package
+    mapping = _installed_packages()
+    tops = sorted({folder.split("/")[0] for folder in mapping.values()})
+    assert tops and all(f"{p}/" in places for p in tops), (tops, places)
+    on_disk = sorted(str(d.parent.relative_to(ROOT)) for d in ROOT.glob("*/**/__init__.py")
+                     if not str(d.relative_to(ROOT)).startswith(("tests", "benchmarks", ".")))
+    assert on_disk == sorted(mapping.values())  # a new package is installed and documented, or it is not a package
+
+
+def test_one_name_is_installed():
+    """Every installed package lives under nla_grpo, so nothing of this project shadows another project's ``shared``
+    or ``evals`` in site-packages; the plugin entry point and the console script point into it."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert {name.split(".")[0] for name in _installed_packages()} == {"nla_grpo"}
+    assert set(project["tool"]["setuptools"]["packages"]) == set(_installed_packages())
+    assert project["project"]["scripts"]["nla-grpo"].startswith("nla_grpo.")
+    assert all(v.startswith("nla_grpo.") for v in project["project"]["entry-points"]["vllm.general_plugins"].values())
 
 
 # what a package may not import (anywhere in it, inside functions too): the layers stay a stack
@@ -43,10 +63,17 @@ def _imported(path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(_part(node.module))
         elif isinstance(node, ast.Import):
-            names.update(a.name.split(".")[0] for a in node.names)
+            names.update(_part(a.name) for a in node.names)
     return names
+
+
+def _part(module: str) -> str:
+    """The top folder an import names: ``nla_grpo.rollout.actor`` -> rollout (the installed name's parts are the
+    repository's folders); ``vllm.config`` -> vllm."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "nla_grpo" and len(parts) > 1 else parts[0]
 
 
 def test_the_packages_import_only_downwards():
@@ -65,13 +92,13 @@ def test_every_package_says_what_lives_there():
 
 
 def test_the_configuration_reference_is_the_schema():
-    """docs/configuration.md is what ``python -m shared.config_reference`` writes from the schema: every field of every
+    """docs/configuration.md is what ``python -m nla_grpo.shared.config_reference`` writes from the schema: every field of every
     section (the weight_sync variants too), with its default; regenerate it after changing shared/config.py."""
-    from shared import config
-    from shared.config_reference import reference
+    from nla_grpo.shared import config
+    from nla_grpo.shared.config_reference import reference
 
     page = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
-    assert page == reference(), "docs/configuration.md is stale: python -m shared.config_reference > docs/configuration.md"
+    assert page == reference(), "docs/configuration.md is stale: python -m nla_grpo.shared.config_reference > docs/configuration.md"
     for section, field in config.RunConfig.model_fields.items():
         model = field.annotation
         if isinstance(model, type) and issubclass(model, config.BaseModel):
@@ -121,6 +148,7 @@ def test_no_two_modules_import_each_other():
     for package in PRODUCTION:
         for f in (ROOT / package).rglob("*.py"):
             name = ".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            name = name if package == "nla_grpo" else f"nla_grpo.{name}"
             graph[name] = f
     edges = {}
     import ast

@@ -5,8 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.errors import NlaInputError
-from shared.fileio import atomic_directory, join_optimizer_state, jsonable, split_optimizer_state
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.fileio import atomic_directory, join_optimizer_state, jsonable, split_optimizer_state
 
 
 def _trained_adamw():
@@ -67,7 +67,7 @@ def test_a_nested_quantised_state_round_trips_exactly(tmp_path):
 def test_a_loaded_optimizer_keeps_the_learning_rate_it_was_built_with(tmp_path):
     """`--resume --set learner.lr=...` changes the rate from the checkpoint on: the moments are the
     saved ones, the rate the config's (no schedule moves it)."""
-    from shared.fileio import load_optimizer, save_optimizer
+    from nla_grpo.shared.fileio import load_optimizer, save_optimizer
 
     params, opt = _trained_adamw()
     save_optimizer(tmp_path, opt, ["a", "b"], "o.safetensors", "o.json")
@@ -105,7 +105,7 @@ def test_atomic_directory_keeps_the_old_one_on_failure(tmp_path):
 def test_one_optimizer_format_for_learner_and_critic_and_the_critics_older_files_load(tmp_path):
     import json
 
-    from shared.fileio import load_optimizer, save_optimizer
+    from nla_grpo.shared.fileio import load_optimizer, save_optimizer
 
     _, opt = _trained_adamw()
     save_optimizer(tmp_path / "new", opt, ["a", "b"], "opt.safetensors", "opt.json")
@@ -131,7 +131,7 @@ def test_one_optimizer_format_for_learner_and_critic_and_the_critics_older_files
 
 
 def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
-    from shared.fileio import atomic_write, write_json
+    from nla_grpo.shared.fileio import atomic_write, write_json
 
     target = tmp_path / "meta.json"
     write_json(target, {"a": 1, "t": (1, 2)})
@@ -153,8 +153,8 @@ def json_load(path):
 
 
 def test_strict_json_lines_and_clear_tensor_file_errors(tmp_path):
-    from shared.errors import NlaInputError
-    from shared.fileio import load_tensors
+    from nla_grpo.shared.errors import NlaInputError
+    from nla_grpo.shared.fileio import load_tensors
 
     assert jsonable({"x": float("inf"), "y": [1.0, float("nan")]}, nonfinite=None) == {"x": None, "y": [1.0, None]}
     kept = jsonable({"x": float("inf")})
@@ -167,7 +167,7 @@ def test_strict_json_lines_and_clear_tensor_file_errors(tmp_path):
 
 
 def test_a_frozen_critic_record_checks_the_critic_the_run_builds(tmp_path):
-    from critic.checkpoint import META_NAME, WEIGHTS_NAME, check_frozen_record, write_frozen_record
+    from nla_grpo.critic.checkpoint import META_NAME, WEIGHTS_NAME, check_frozen_record, write_frozen_record
 
     ar = tmp_path / "ar"
     ar.mkdir()

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from learner.learner import Learner
-from shared.errors import NlaInputError
+from nla_grpo.learner.learner import Learner
+from nla_grpo.shared.errors import NlaInputError
 
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
@@ -47,7 +47,7 @@ def test_sft_adapter_dropout_never_randomises_the_learner(tiny_dir, tmp_path, ro
 
 
 def test_engine_lora_limits_follow_the_loaded_adapter(tiny_dir, tmp_path):
-    from rollout.vllm.engine import adapter_shape
+    from nla_grpo.rollout.vllm.engine import adapter_shape
 
     init = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
     rank, targets = adapter_shape(make_cfg(tiny_dir, "embed", adapter_init=str(init)))
@@ -103,8 +103,8 @@ def test_a_later_failed_ppo_epoch_still_reports_the_step(tiny_dir, rollouts, mon
      "rollout.tensor_parallel_size=1"),
 ])
 def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
-    from orchestrator.job import prepare_job
-    from shared.config import build_config
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import build_config
 
     raw = {**raw, "model": {"path": str(tiny_dir / "model"), **raw.get("model", {})},
            "data": {"parquet": str(tiny_dir / "rl.parquet")}}
@@ -117,7 +117,7 @@ def test_settings_that_cannot_work_together(tiny_dir, raw, needle):
     ("split", "host", "host"), ("cpu", "broadcast", "broadcast"),
 ])
 def test_auto_weight_sync_follows_placement(tiny_dir, mode, route, resolved):
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
            "placement": {"mode": mode}, "weight_sync": {"kind": route}}
@@ -130,7 +130,7 @@ def test_an_adapter_directory_is_checked_before_any_actor(tiny_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from shared.model_checks import check_adapter_dir
+    from nla_grpo.shared.model_checks import check_adapter_dir
 
     good = _sft_adapter(tiny_dir, tmp_path / "sft", dropout=0.0)
     check_adapter_dir(good, tiny_dir / "model", "learner.adapter_init")
@@ -173,10 +173,10 @@ def test_nf4_with_vllm_needs_a_checkpoint_stored_in_the_model_dtype(tiny_dir, tm
 
     from safetensors.torch import load_file, save_file
 
-    from orchestrator.job import prepare_job
-    from shared.model_checks import check_quantization_source
-    from shared.config import build_config
-    from shared.quantization import hf_quantization_kwargs, prequantized
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.model_checks import check_quantization_source
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.quantization import hf_quantization_kwargs, prequantized
 
     needle = r"model.quantization nf4: the checkpoint stores its linear weights as F32 \(.*proj.weight\) and model.dtype is bfloat16"
     with pytest.raises(NlaInputError, match=needle):
@@ -243,8 +243,8 @@ def test_a_config_without_architectures_is_refused_for_vllm_before_any_actor(tin
     import json
     import shutil
 
-    from orchestrator.job import prepare_job
-    from shared.config import build_config
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import build_config
 
     model = tmp_path / "model"
     shutil.copytree(tiny_dir / "model", model)

@@ -3,8 +3,8 @@ liger on a GPU in the GPU test below), and the kinds a device cannot run are ref
 import pytest
 import torch
 
-from learner import kernels
-from learner.learner import Learner
+from nla_grpo.learner import kernels
+from nla_grpo.learner.learner import Learner
 from test_learner_service import _adv, _grads
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
@@ -46,9 +46,9 @@ def test_kernel_kinds_resolve_by_device():
 
 
 def test_liger_on_a_cpu_placement_is_refused_in_one_line(tiny_dir):
-    from shared.config import build_config, cross_field_problems
+    from nla_grpo.shared.config import build_config, cross_field_problems
 
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     with pytest.raises(NlaInputError, match="learner.kernels=liger: liger-kernel's Triton kernels need CUDA GPUs"):
         make_cfg(tiny_dir, "embed", kernels="liger")
@@ -82,8 +82,8 @@ def test_liger_kernels_give_the_eager_gradients_on_the_gpu(tiny_dir, rollouts, m
 def test_the_block_mask_allows_what_the_dense_mask_allows():
     from torch.nn.attention.flex_attention import create_mask
 
-    from learner.packed_attention import block_mask
-    from learner.packing import segment_mask
+    from nla_grpo.learner.packed_attention import block_mask
+    from nla_grpo.learner.packing import segment_mask
 
     # two rows: a prompt of 5 with responses of 3 and 4, then pads; a prompt of 7 with one of 2
     seg = torch.full((2, 16), -2, dtype=torch.long)
@@ -98,7 +98,7 @@ def test_the_block_mask_allows_what_the_dense_mask_allows():
 @pytest.mark.parametrize("mode", MODES)
 def test_flex_attention_scores_what_the_dense_mask_scores(tiny_dir, rollouts, mode):
     """Forward only: FlexAttention has no backward on the CPU (the GPU test compares gradients)."""
-    from learner.policy import POLICY
+    from nla_grpo.learner.policy import POLICY
 
     samples, vectors = rollouts[mode]
     want = Learner(make_cfg(tiny_dir, mode, micro_batch=8, attention="sdpa"), load_tiny_spec(tiny_dir))

@@ -1,8 +1,8 @@
 """The packed update (shared-prefix rows, fused LoRA, chunked head) against the padded one on the tiny model (fp32)."""
 import pytest
 
-from learner.policy import POLICY, REFERENCE
-from learner.learner import Learner
+from nla_grpo.learner.policy import POLICY, REFERENCE
+from nla_grpo.learner.learner import Learner
 from test_learner_service import _adv, _grads
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
@@ -46,7 +46,7 @@ def test_packed_and_padded_give_the_same_loss_and_gradients(tiny_dir, uneven, mo
 
 
 def test_packing_shares_each_prompt_once(tiny_dir, uneven):
-    from learner.micro_batches import items_from as _items
+    from nla_grpo.learner.micro_batches import items_from as _items
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8), load_tiny_spec(tiny_dir))
@@ -58,7 +58,7 @@ def test_packing_shares_each_prompt_once(tiny_dir, uneven):
 
 
 def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, uneven, tmp_path):
-    from learner.memory_plan import CPU_MAX_TOKENS
+    from nla_grpo.learner.memory_plan import CPU_MAX_TOKENS
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch="auto", lr=1e-2, mismatch_mask_k3=1e6), load_tiny_spec(tiny_dir))
@@ -80,7 +80,7 @@ def test_auto_micro_batch_is_chosen_once_reported_and_kept_on_resume(tiny_dir, u
 @pytest.mark.parametrize("kernels,attention,counted", [("none", "sdpa", (False, "sdpa")), ("compile", "sdpa", (True, "sdpa")),
                                                      ("none", "varlen", (False, "varlen"))])
 def test_the_auto_budget_counts_what_the_kernels_keep(tiny_dir, monkeypatch, kernels, attention, counted):
-    from learner import memory_plan
+    from nla_grpo.learner import memory_plan
 
     seen = []
     monkeypatch.setattr(memory_plan, "plan_tokens", lambda *a, **k: seen.append((k["fused"], k["attention"])) or 4096)
@@ -98,7 +98,7 @@ def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):
     g_whole, _ = _grads(learner, samples, adv, vectors)
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     learner.micro_batch_tokens = longest + 2  # rows of about one sample each
-    from learner.micro_batches import items_from as _items
+    from nla_grpo.learner.micro_batches import items_from as _items
 
     assert sum(b.input_ids.shape[0] for _, b in learner.micro_batches_of(_items(samples, vectors))) > 3
     g_split, _ = _grads(learner, samples, adv, vectors)
@@ -106,7 +106,7 @@ def test_a_token_budget_splits_a_group_and_keeps_the_gradient(tiny_dir, uneven):
 
 
 def test_the_packed_forward_refuses_attention_it_cannot_mask(tiny_dir):
-    from learner.policy import _check_packable
+    from nla_grpo.learner.policy import _check_packable
 
     class Cfg:
         _attn_implementation = "flash_attention_2"
@@ -119,7 +119,7 @@ def test_the_packed_forward_refuses_attention_it_cannot_mask(tiny_dir):
 
 
 def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(tiny_dir, uneven):
-    from learner.micro_batches import items_from as _items
+    from nla_grpo.learner.micro_batches import items_from as _items
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=2), load_tiny_spec(tiny_dir))
@@ -132,7 +132,7 @@ def test_an_integer_micro_batch_never_holds_more_tokens_than_its_padded_samples(
 
 
 def test_packed_refuses_sliding_windows_and_scaled_logits():
-    from learner.policy import _check_packable
+    from nla_grpo.learner.policy import _check_packable
 
     class Qwen2Like:
         _attn_implementation, use_sliding_window, sliding_window = "sdpa", True, 4096
@@ -151,8 +151,8 @@ def test_packed_refuses_sliding_windows_and_scaled_logits():
 def test_a_run_saved_before_the_packed_update_resumes_on_the_padded_one(tiny_dir, tmp_path):
     import yaml
 
-    from orchestrator.run_dir import RunDir
-    from shared.config import build_config, dump_config
+    from nla_grpo.orchestrator.run_dir import RunDir
+    from nla_grpo.shared.config import build_config, dump_config
 
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")}}, "t")
     raw = yaml.safe_load(dump_config(cfg))
@@ -166,8 +166,8 @@ def test_a_run_saved_before_the_packed_update_resumes_on_the_padded_one(tiny_dir
 @pytest.mark.parametrize("forward,epochs", [("packed", 1), ("padded", 1), ("packed", 2)])
 def test_executed_flops_count_the_tokens_the_forwards_ran(tiny_dir, uneven, forward, epochs):
     """learner/tflops_executed counts each prompt once (packed), no padding, and the rescoring pass."""
-    from learner.micro_batches import items_from as _items
-    from learner.update_metrics import executed_tokens
+    from nla_grpo.learner.micro_batches import items_from as _items
+    from nla_grpo.learner.update_metrics import executed_tokens
 
     samples, vectors = uneven["embed"]
     learner = Learner(make_cfg(tiny_dir, "embed", micro_batch=8, forward=forward, ppo_epochs=epochs, lr=1e-2,

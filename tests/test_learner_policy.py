@@ -1,7 +1,7 @@
 """Batching and response-logprob indexing of the learner forward (pure tensors), and how the frozen base is prepared."""
 import torch
 
-from learner.policy import logits_to_keep, pad_batch, response_logprobs
+from nla_grpo.learner.policy import logits_to_keep, pad_batch, response_logprobs
 
 
 def test_response_logprobs_index_the_predicting_positions():
@@ -30,7 +30,7 @@ def test_an_nf4_base_keeps_its_unquantised_modules_in_the_compute_dtype_unless_a
     every parameter and switch gradient checkpointing on when asked."""
     from transformers import AutoModelForCausalLM
 
-    from learner.policy import freeze_base
+    from nla_grpo.learner.policy import freeze_base
 
     def load():
         return AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.bfloat16)

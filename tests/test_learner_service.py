@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from learner.policy import POLICY, REFERENCE
-from learner.learner import Learner
-from shared.errors import NlaInputError
+from nla_grpo.learner.policy import POLICY, REFERENCE
+from nla_grpo.learner.learner import Learner
+from nla_grpo.shared.errors import NlaInputError
 from test_learner_support import load_tiny_spec, make_cfg, sample_responses
 
 MODES = ("embed", "karvonen")
@@ -41,7 +41,7 @@ def _equal(a, b):
 
 def _grads(learner, samples, advantages, vectors):
     """The gradient one update would step with (no step taken)."""
-    from learner.micro_batches import items_from as _items
+    from nla_grpo.learner.micro_batches import items_from as _items
 
     items = _items(samples, vectors, advantages)
     learner.optimizer.zero_grad(set_to_none=True)
@@ -256,7 +256,7 @@ def test_export_adapter(tiny_dir, rollouts):
 
 
 def test_packed_export_carries_the_same_adapter(tiny_dir, rollouts):
-    from shared.weight_sync import make_receiver, make_sender
+    from nla_grpo.shared.weight_sync import make_receiver, make_sender
 
     samples, vectors = rollouts["embed"]
     learner = _learner(tiny_dir, lr=1e-2)
@@ -342,9 +342,9 @@ def test_actor_class_is_built_lazily():
     import subprocess
     import sys
 
-    import learner.actor as actor_module
+    import nla_grpo.learner.actor as actor_module
     from conftest import ROOT
-    from shared.actors import remote
+    from nla_grpo.shared.actors import remote
 
     for method in ("update", "logprobs", "export_adapter", "save", "load"):
         assert hasattr(actor_module.LearnerActor, method)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from shared.types import Sample
+from nla_grpo.shared.types import Sample
 
 
 def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", *, dtype: str = "float32", **learner):
-    from shared.config import build_config
+    from nla_grpo.shared.config import build_config
 
     raw = {
         "placement": {"mode": placement},
@@ -28,7 +28,7 @@ def make_cfg(tiny_dir, mode: str = "embed", placement: str = "cpu", *, dtype: st
 
 
 def load_tiny_spec(tiny_dir):
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     return load_spec(sidecar_path(tiny_dir / "rl.parquet"))
 
@@ -37,8 +37,8 @@ def prompts_and_vectors(tiny_dir, n_prompts: int):
     """(prompt ids, marker site, activation) for the first ``n_prompts`` rows."""
     from transformers import AutoTokenizer
 
-    from shared.data import read_rows
-    from shared.prompts import find_marker_site, render_av_ids
+    from nla_grpo.shared.data import read_rows
+    from nla_grpo.shared.prompts import find_marker_site, render_av_ids
 
     spec = load_tiny_spec(tiny_dir)
     tok = AutoTokenizer.from_pretrained(tiny_dir / "model")
@@ -56,7 +56,7 @@ def sample_responses(tiny_dir, mode: str, n_prompts: int = 3, group: int = 2, ma
     """GRPO-shaped synthetic rollouts: ``(samples, vectors[N, d])`` with ragged response lengths."""
     from transformers import AutoModelForCausalLM
 
-    from shared.injection import KarvonenHook, embed_batch, embed_norm
+    from nla_grpo.shared.injection import KarvonenHook, embed_batch, embed_norm
 
     cfg = make_cfg(tiny_dir, mode)
     spec = load_tiny_spec(tiny_dir)
@@ -93,7 +93,7 @@ def sample_responses(tiny_dir, mode: str, n_prompts: int = 3, group: int = 2, ma
 
 
 def test_learner_logprobs_equal_the_independent_sampler(tiny_dir):
-    from learner.learner import Learner
+    from nla_grpo.learner.learner import Learner
 
     for mode in ("embed", "karvonen"):
         samples, vectors = sample_responses(tiny_dir, mode)

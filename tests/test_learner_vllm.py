@@ -8,7 +8,7 @@ from test_learner_support import load_tiny_spec, make_cfg, prompts_and_vectors
 
 def _cfg(tiny_dir, transport):
     cfg = make_cfg(tiny_dir, "embed", lr=1e-2, micro_batch=8)
-    from shared.config import FileSync, HostSync
+    from nla_grpo.shared.config import FileSync, HostSync
 
     return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"group_size": 3, "max_new_tokens": 8}),
                                   "weight_sync": FileSync() if transport == "file" else HostSync()})
@@ -24,10 +24,10 @@ def _max_gap(learner, samples, vectors, adapter="default"):
 @pytest.mark.parametrize("transport", ["memory", "file"])
 def test_vllm_logprobs_equal_the_learners(tiny_dir, transport):
     pytest.importorskip("vllm")
-    from learner.grpo import group_advantages
-    from learner.learner import Learner
-    from rollout.vllm.engine import VllmEngine
-    from shared.types import PromptRequest
+    from nla_grpo.learner.grpo import group_advantages
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.vllm.engine import VllmEngine
+    from nla_grpo.shared.types import PromptRequest
 
     cfg, spec = _cfg(tiny_dir, transport), load_tiny_spec(tiny_dir)
     learner = Learner(cfg, spec)

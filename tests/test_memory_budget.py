@@ -6,14 +6,14 @@ import types
 import pytest
 
 from conftest import run_cli
-from orchestrator.memory_budget import (ADAPTER_PARAM_BYTES, ADAM_STATE_BYTES, CONTEXT_BYTES, ENGINE_ASLEEP_BYTES,
+from nla_grpo.orchestrator.memory_budget import (ADAPTER_PARAM_BYTES, ADAM_STATE_BYTES, CONTEXT_BYTES, ENGINE_ASLEEP_BYTES,
                                         FREE_MARGIN, GIB, LORA_ENGINE_BYTES, PHASES, TRAINED_PARAM_BYTES, awake_beside_engines,
                                         awake_update_bytes, beside_colocated_engines, colocated_residents,
                                         critic_forward_bytes, largest_weight_bytes, phase_table, plan_colocated,
                                         push_bytes, residents)
-from shared.model_facts import NF4_SHARE, bf16_bytes, lora_params
-from shared.config import build_config
-from shared.errors import NlaInputError
+from nla_grpo.shared.model_facts import NF4_SHARE, bf16_bytes, lora_params
+from nla_grpo.shared.config import build_config
+from nla_grpo.shared.errors import NlaInputError
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 H100, H200 = int(79.19 * GIB), int(139.8 * GIB)  # what CUDA reports of an 80 GB H100 and a 141 GB H200
@@ -108,7 +108,7 @@ def test_the_residents_count_what_each_service_holds(tiny_dir, tmp_path):
     res = residents(awake, 2, adapter)
     assert awake_beside_engines(awake, 2, res) >= res.at_rest + awake_update_bytes(awake, 2)
     # what placement passes the engines: the critic as the sidecar makes it (its layer, a frozen critic)
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     run = cfg(model={"path": str(path), "dtype": "bfloat16"})

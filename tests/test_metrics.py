@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from orchestrator.metrics import cjk_fraction, eval_metrics, sample_metrics
+from nla_grpo.orchestrator.metrics import cjk_fraction, eval_metrics, sample_metrics
 
 
 def test_sample_metrics_carry_the_reference_trainers_names_with_the_same_values():
@@ -41,7 +41,7 @@ def test_the_eval_says_how_many_explanations_are_non_empty_and_how_long():
 
 
 def test_a_step_timeline_closes_each_phase_where_the_next_begins():
-    from orchestrator.metrics import StepTimeline
+    from nla_grpo.orchestrator.metrics import StepTimeline
 
     ticks = iter([10.0, 12.5, 13.0, 20.0, 21.0, 30.0])
     tl = StepTimeline(clock=lambda: next(ticks))

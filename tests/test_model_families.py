@@ -61,9 +61,9 @@ def _cfg(family_dir):
 @pytest.mark.timeout(600)
 def test_vllm_rollout_matches_the_learner_outside_qwen(family_dir):
     pytest.importorskip("vllm")
-    from learner.learner import Learner
-    from rollout.vllm.engine import VllmEngine
-    from shared.types import PromptRequest
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.rollout.vllm.engine import VllmEngine
+    from nla_grpo.shared.types import PromptRequest
     from test_learner_support import load_tiny_spec, prompts_and_vectors
 
     cfg, spec = _cfg(family_dir), load_tiny_spec(family_dir)
@@ -92,10 +92,10 @@ def test_vllm_rollout_matches_the_learner_outside_qwen(family_dir):
 
 
 def test_critic_prompts_start_with_the_start_token_where_the_tokenizer_has_one(family_dir, tiny_dir):
-    from critic.scoring import Critic
-    from shared.config import build_config
-    from shared.errors import NlaInputError
-    from shared.spec import load_spec, sidecar_path
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
+    from nla_grpo.shared.spec import load_spec, sidecar_path
 
     spec = load_spec(sidecar_path(family_dir / "rl.parquet"))
 

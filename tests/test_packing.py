@@ -4,9 +4,9 @@ import contextlib
 import pytest
 import torch
 
-from learner.memory_plan import QUANTUM, activation_bytes_per_token, token_budget
-from learner.packing import build_rows, pack, plan_micro_batches, segment_mask, unpack_tokens
-from learner.token_logprobs import token_logprobs
+from nla_grpo.learner.memory_plan import QUANTUM, activation_bytes_per_token, token_budget
+from nla_grpo.learner.packing import build_rows, pack, plan_micro_batches, segment_mask, unpack_tokens
+from nla_grpo.learner.token_logprobs import token_logprobs
 
 
 def _rows_input():
@@ -113,7 +113,7 @@ def test_token_logprobs_refuse_a_trainable_head_and_bad_shapes():
 def _lora_pair(dtype):
     from peft import LoraConfig, get_peft_model
 
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     def make():
         torch.manual_seed(0)
@@ -148,7 +148,7 @@ def test_a_dense_base_accumulates_onto_the_lora_term_in_place(monkeypatch, bias)
     from peft import LoraConfig, get_peft_model
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -221,7 +221,7 @@ def test_reused_casts_give_every_micro_batch_the_same_gradients_with_fewer_ops()
     """bf16 activations over fp32 adapter weights: two micro-batches' backward through the casts made once add up
     to the gradients of casts made per forward; an optimiser step (an in-place change) makes new casts; a cast
     made without gradients never serves a forward with them."""
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     def run(reuse):
         _, fused = _lora_pair(torch.bfloat16)
@@ -269,7 +269,7 @@ def test_memory_plan():
 
 
 def test_the_measured_kernels_plan_with_the_smaller_margin():
-    from learner.memory_plan import SAFETY, SAFETY_MEASURED, safety
+    from nla_grpo.learner.memory_plan import SAFETY, SAFETY_MEASURED, safety
 
     assert safety(True, "varlen") == safety(True, "flex") == SAFETY_MEASURED < SAFETY
     # an eager layer, or SDPA's dense mask, kept more than the count on the H200: the wide margin stays
@@ -280,7 +280,7 @@ def test_the_measured_kernels_plan_with_the_smaller_margin():
 
 
 def test_auto_attention_takes_the_varlen_kernel_on_a_gpu_in_16_bits(monkeypatch):
-    from learner import packed_attention, varlen_attention
+    from nla_grpo.learner import packed_attention, varlen_attention
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     monkeypatch.setattr(varlen_attention, "available", lambda: True)
@@ -294,14 +294,14 @@ def test_auto_attention_takes_the_varlen_kernel_on_a_gpu_in_16_bits(monkeypatch)
 
 
 def test_right_pad_is_the_one_padding_builder():
-    from shared.torch_utils import right_pad
+    from nla_grpo.shared.torch_utils import right_pad
 
     ids, mask = right_pad([[5, 6, 7], [8]], pad_id=0)
     assert ids.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.tolist() == [[1, 1, 1], [1, 0, 0]]
 
 
 def test_rows_never_exceed_the_row_cap():
-    from learner.packing import MAX_ROW_TOKENS
+    from nla_grpo.learner.packing import MAX_ROW_TOKENS
 
     n = 40
     rows = build_rows([[1, 2]] * n, [1] * n, [torch.zeros(2)] * n, [500] * n)
@@ -312,7 +312,7 @@ def test_rows_never_exceed_the_row_cap():
 def test_fused_lora_leaves_a_lora_bias_to_peft():
     from peft import LoraConfig, get_peft_model
 
-    from learner import lora_compute
+    from nla_grpo.learner import lora_compute
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 8))

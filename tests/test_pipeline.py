@@ -77,15 +77,15 @@ def sample_the_products(out, seed=0):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from critic.scoring import Critic
-    from dataprep.explain import classify_reply, teacher_prompt
-    from dataprep.fixture_teacher import fixture_reply
-    from learner.reward import explanation_for
-    from orchestrator.job import prepare_job
-    from rollout.engine import stop_token_ids
-    from shared.config import load_config
-    from shared.injection import embed_batch, embed_norm
-    from shared.schema import fve
+    from nla_grpo.critic.scoring import Critic
+    from nla_grpo.dataprep.explain import classify_reply, teacher_prompt
+    from nla_grpo.dataprep.fixture_teacher import fixture_reply
+    from nla_grpo.learner.reward import explanation_for
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.rollout.engine import stop_token_ids
+    from nla_grpo.shared.config import load_config
+    from nla_grpo.shared.injection import embed_batch, embed_norm
+    from nla_grpo.shared.schema import fve
 
     cfg = load_config(out / "rl" / "config.yaml")
     job = prepare_job(cfg, log=lambda *a: None)
@@ -185,7 +185,7 @@ def test_config_check_on_a_pipeline_file_says_to_run_the_pipeline():
 
 def _popen(*args):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

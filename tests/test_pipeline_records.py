@@ -3,8 +3,8 @@ is refused in one line naming the field; a stage whose input stage was redone si
 output is gone is not judged (it will be made again); a record survives a reload."""
 import pytest
 
-from orchestrator.pipeline import READS, PipelineConfig, StageRecords, stage_fields
-from shared.errors import NlaInputError
+from nla_grpo.orchestrator.pipeline import READS, PipelineConfig, StageRecords, stage_fields
+from nla_grpo.shared.errors import NlaInputError
 
 
 def _cfg(**changes) -> PipelineConfig:

@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from orchestrator.job import absolute_paths, prepare_job
-from orchestrator.placement import gpu_count_needed, start_services, stop_services
-from orchestrator.run_dir import RunDir
-from shared.config import build_config
+from nla_grpo.orchestrator.job import absolute_paths, prepare_job
+from nla_grpo.orchestrator.placement import gpu_count_needed, start_services, stop_services
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.config import build_config
 
 from conftest import ROOT
 from test_driver_failures import FakeCritic, FakeLearner, FakeRollout
@@ -93,7 +93,7 @@ def test_colocated_shares_one_gpu(ray_gpus, tiny_dir, engines):
 
 
 def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir, tmp_path):
-    from orchestrator.driver import train
+    from nla_grpo.orchestrator.driver import train
 
     # logical GPUs without CUDA: the push goes through host memory (NCCL, split's default, needs real GPUs)
     cfg = _cfg(tiny_dir, {"mode": "split", "learner_gpus": 1, "critic_own_gpu": True}, "host", num_engines=2)
@@ -109,8 +109,8 @@ def test_split_gives_engines_their_own_gpus_and_the_loop_runs(ray_gpus, tiny_dir
         run = RunDir.create(tmp_path / "run", cfg)
         last = train(job, run, s, log=lambda m: None)
         assert last["step"] == 3 and last["adapter_version"] == 4
-        from orchestrator.driver import _requests
-        from orchestrator.rollout_feed import rollout
+        from nla_grpo.orchestrator.driver import _requests
+        from nla_grpo.orchestrator.rollout_feed import rollout
 
         reqs = _requests(job, job.train, job.prompt_index_train, [4, 0, 3, 1, 2])
         samples = rollout(s.rollouts, reqs, seed=0)
@@ -127,7 +127,7 @@ def test_split_needs_enough_gpus(ray_gpus, tiny_dir):
 
 @pytest.mark.parametrize("own,gpus", [(False, 3), (True, 4)])
 def test_data_parallel_ranks_get_a_gpu_each_and_critics_sit_beside_them(ray_gpus, tiny_dir, tmp_path, own, gpus):
-    from orchestrator.driver import train
+    from nla_grpo.orchestrator.driver import train
 
     cfg = _cfg(tiny_dir, {"mode": "split", "learner_workers": 2, "critic_workers": 2 if not own else 1, "critic_own_gpu": own},
                "host", num_engines=1)

@@ -20,7 +20,7 @@ from conftest import ROOT, run_cli
 # ---- pure parts ---------------------------------------------------------------------------------------------
 def test_positions():
     from nla_grpo.nla import parse_positions, positions_of
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     assert positions_of(5, "all") == [0, 1, 2, 3, 4]
     assert positions_of(7, "stride:3") == [0, 3, 6]
@@ -52,8 +52,8 @@ def _eval_positions(run):
     """RL's last held-out eval rows as (doc_id, token index), the documents they come from, and the eval's FVE."""
     import pyarrow.parquet as pq
 
-    from orchestrator.job import prepare_job
-    from shared.config import load_config
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import load_config
 
     cfg = load_config(run / "rl" / "config.yaml")
     job = prepare_job(cfg, log=lambda *a: None)
@@ -114,7 +114,7 @@ def test_the_api_reads_as_the_command_does(tiny_pipeline):
     import numpy as np
 
     from nla_grpo import NLA
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     nla = NLA.load(tiny_pipeline[0])
     try:
@@ -131,7 +131,7 @@ def test_the_api_reads_as_the_command_does(tiny_pipeline):
         texts = [r["explanation"] for r in good]
         mses = nla.score(texts, vectors)
         assert mses == pytest.approx([r["mse"] for r in good], abs=1e-5)
-        from shared.schema import normalize_activation
+        from nla_grpo.shared.schema import normalize_activation
         import torch
 
         pred = nla.reconstruct(texts)
@@ -189,7 +189,7 @@ def test_a_killed_read_continues_to_the_straight_runs_readout(held_out, tmp_path
     assert straight.returncode == 0, straight.stderr[-3000:]
     out = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", *map(str, args), "--out", str(out)], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nla_grpo.orchestrator.cli", *map(str, args), "--out", str(out)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     journal = out / ".read" / "documents.jsonl"
     deadline = time.time() + 300
@@ -239,7 +239,7 @@ def test_bad_inputs_are_one_line_and_write_nothing(tiny_pipeline, tiny_dir, tmp_
         assert not out.exists(), args
     # parts of different NLAs: an adapter trained at another layer than the critic's data
     from nla_grpo import NLA
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.errors import NlaInputError
 
     adapter = tmp_path / "adapter"
     shutil.copytree(run / "sft_av" / "adapter", adapter)
@@ -312,9 +312,9 @@ def test_a_sidecar_without_a_baseline_takes_the_one_a_run_computes(tiny_dir):
     """The tiny fixture's sidecar records no ``fve_baseline``: ``from_parts`` then divides by what a run on its
     parquet would (its training rows, first 4,000)."""
     from nla_grpo.parts import sidecar_baseline
-    from orchestrator.job import prepare_job
-    from shared.config import build_config
-    from shared.spec import load_spec
+    from nla_grpo.orchestrator.job import prepare_job
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec
 
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},
@@ -327,11 +327,11 @@ def test_a_lora_critic_round_trips_through_the_ar_lora_layout(tiny_dir, tmp_path
     reconstructions."""
     import torch
 
-    from critic.scoring import Critic
+    from nla_grpo.critic.scoring import Critic
     from nla_grpo.export import _official_ar
     from nla_grpo.parts import _critic_dir
-    from shared.config import build_config
-    from shared.spec import load_spec
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.spec import load_spec
 
     spec = load_spec(tiny_dir / "rl.parquet.nla_meta.yaml")
     raw = {"model": {"path": str(tiny_dir / "model")}, "data": {"parquet": str(tiny_dir / "rl.parquet")},

@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from learner.reward import explanation_for, rewards_for
-from orchestrator.run_dir import RunDir
-from shared.config import RunConfig
+from nla_grpo.learner.reward import explanation_for, rewards_for
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.config import RunConfig
 
 
 @pytest.mark.parametrize("text,finish,echo,strict,expected", [

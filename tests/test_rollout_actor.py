@@ -2,7 +2,7 @@
 import pytest
 
 from rollout_support import tiny_config, tiny_requests, update_for
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -23,9 +23,9 @@ def samples_key(samples):
 def test_actor_matches_in_process_engine(ray_session, tiny_dir, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")
-    from rollout.actor import RolloutActor, make_engine
-    from shared.actors import remote
-    from shared.weight_sync import make_sender
+    from nla_grpo.rollout.actor import RolloutActor, make_engine
+    from nla_grpo.shared.actors import remote
+    from nla_grpo.shared.weight_sync import make_sender
 
     ray = ray_session
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))

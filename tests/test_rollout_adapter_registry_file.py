@@ -2,7 +2,7 @@
 import pytest
 
 from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -12,8 +12,8 @@ PARITY_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = tiny_config(tiny_dir, group_size=4, max_new_tokens=24, weight_sync="file", max_loras=2)
@@ -25,7 +25,7 @@ def setup(tiny_dir):
 
 
 def test_file_route_delivers_each_version(setup):
-    from rollout.vllm.adapter_registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FileRegistry
+    from nla_grpo.rollout.vllm.adapter_registry import ADAPTER_CONFIG, ADAPTER_WEIGHTS, FileRegistry
 
     engine, hf, reqs = setup
     assert isinstance(engine.registry, FileRegistry)

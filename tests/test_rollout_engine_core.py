@@ -16,10 +16,10 @@ import json, sys
 sys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]
 from pathlib import Path
 from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
-from rollout.hf_engine import HfEngine
-from rollout.vllm.handles import engine_in_process
-from rollout.vllm.engine import VllmEngine
+from nla_grpo.shared.spec import load_spec, sidecar_path
+from nla_grpo.rollout.hf_engine import HfEngine
+from nla_grpo.rollout.vllm.handles import engine_in_process
+from nla_grpo.rollout.vllm.engine import VllmEngine
 
 tiny = Path(sys.argv[1])
 spec = load_spec(sidecar_path(tiny / "rl.parquet"))
@@ -61,7 +61,7 @@ def test_an_engine_core_in_its_own_process_samples_what_the_learner_computes(tin
 
 
 def test_own_process_overrides_an_in_process_default_but_defaults_do_not(monkeypatch):
-    from rollout.vllm.env import prepare_engine_env
+    from nla_grpo.rollout.vllm.env import prepare_engine_env
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # an earlier engine of this process
     prepare_engine_env(cpu=True, in_process=False, ship_callables=True, own_process=True)
@@ -71,8 +71,8 @@ def test_own_process_overrides_an_in_process_default_but_defaults_do_not(monkeyp
 
 
 def test_own_process_needs_the_vllm_backend():
-    from shared.config import build_config
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
 
     with pytest.raises(NlaInputError, match="rollout.engine_core=own_process .* needs rollout.backend=vllm, found hf"):
         build_config({"rollout": {"engine_core": "own_process", "backend": "hf"}})

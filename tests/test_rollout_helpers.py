@@ -4,11 +4,11 @@ import json
 import pytest
 import torch
 
-from rollout.engine import FINISH_LENGTH, FINISH_STOP, SampleBuilder, sample_seed, stop_token_ids, trim_at_stop
-from shared.errors import NlaInputError
-from shared.schema import extract_explanation
-from shared.spec import load_spec, sidecar_path
-from shared.types import PromptRequest
+from nla_grpo.rollout.engine import FINISH_LENGTH, FINISH_STOP, SampleBuilder, sample_seed, stop_token_ids, trim_at_stop
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.schema import extract_explanation
+from nla_grpo.shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.types import PromptRequest
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_embed_tokens_single_sharded_and_tied(tiny_dir, tmp_path):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from rollout.embeddings import load_embed_tokens
+    from nla_grpo.rollout.embeddings import load_embed_tokens
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
     W = model.get_input_embeddings().weight.detach()
@@ -105,8 +105,8 @@ def test_adapter_dir_round_trips_through_peft(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rollout_support import random_adapter_update
-    from rollout.vllm.adapter_registry import ADAPTER_CONFIG, write_adapter_dir
-    from shared.fileio import jsonable
+    from nla_grpo.rollout.vllm.adapter_registry import ADAPTER_CONFIG, write_adapter_dir
+    from nla_grpo.shared.fileio import jsonable
 
     update = random_adapter_update(tiny_dir / "model", 1, seed=0, r=8, alpha=16, target_modules=["q_proj", "down_proj"])
     assert isinstance(update.peft_config["target_modules"], set)  # what LoraConfig.to_dict() gives
@@ -127,8 +127,8 @@ def test_vllm_rank_karvonen_class_and_engine_options(tiny_dir, tmp_path):
     import json
     import shutil
 
-    from rollout.vllm.engine import engine_kwargs, max_lora_rank_for
-    from shared.config import build_config
+    from nla_grpo.rollout.vllm.engine import engine_kwargs, max_lora_rank_for
+    from nla_grpo.shared.config import build_config
 
     assert [max_lora_rank_for(r) for r in (1, 2, 8, 9, 128, 200)] == [1, 8, 8, 16, 128, 256]
     with pytest.raises(NlaInputError, match="lora_r"):
@@ -188,8 +188,8 @@ def test_auto_vector_input_takes_the_multimodal_route_only_where_it_has_run_on_a
     import json
     import shutil
 
-    from rollout.vllm.engine import vector_input
-    from shared.config import build_config
+    from nla_grpo.rollout.vllm.engine import vector_input
+    from nla_grpo.shared.config import build_config
 
     model = {"path": str(tiny_dir / "model")}
 

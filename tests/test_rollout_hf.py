@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollout_support import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 PARITY_ATOL = 1e-4
 
@@ -15,7 +15,7 @@ def spec(tiny_dir):
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir, spec):
-    from rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
 
     eng = HfEngine(tiny_config(tiny_dir, group_size=8, max_new_tokens=40), spec)
     yield eng
@@ -74,7 +74,7 @@ def test_sampled_logprobs_match_teacher_forcing_across_adapter_swaps(engine, req
 
 
 def test_karvonen_mode_generates_with_the_hook(tiny_dir, spec):
-    from rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
 
     # block 0: the tiny model has two blocks, and a push after the last one reaches only the marker's own logits
     eng = HfEngine(tiny_config(tiny_dir, injection={"mode": "karvonen", "karvonen_layer": 0}, max_new_tokens=12), spec)
@@ -97,7 +97,7 @@ def test_karvonen_mode_generates_with_the_hook(tiny_dir, spec):
 def test_embed_injection_changes_first_token_distribution(engine, requests):
     import torch.nn.functional as F
 
-    from shared.injection import embed_batch
+    from nla_grpo.shared.injection import embed_batch
 
     req = requests[0]
     ids = torch.tensor([req.prompt_ids])

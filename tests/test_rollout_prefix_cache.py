@@ -5,7 +5,7 @@ alone."""
 import pytest
 
 from rollout_support import cache_hits, expected_hits, hits_per_request, max_abs_diff, tiny_config, twin_batch, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -16,8 +16,8 @@ BLOCK = 32  # the CPU attention backend's smallest block; the tiny prompts (43 t
 
 @pytest.fixture(scope="module", params=["embed", "karvonen", "multimodal", "karvonen-multimodal"])
 def engines(request, tiny_dir):
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if request.param.startswith("karvonen") else None

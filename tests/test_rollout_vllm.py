@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from rollout_support import compare_to_untrimmed, max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -23,7 +23,7 @@ def cfg(tiny_dir):
 
 @pytest.fixture(scope="module")
 def engine(cfg, spec):
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     eng = VllmEngine(cfg, spec)
     yield eng
@@ -32,7 +32,7 @@ def engine(cfg, spec):
 
 @pytest.fixture(scope="module")
 def hf(cfg, spec):
-    from rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
 
     eng = HfEngine(cfg, spec)
     yield eng
@@ -81,7 +81,7 @@ def test_stop_trimming_on_each_stop_id_and_cap(engine, requests):
     assert seen == set(engine.stop_ids), f"stop ids never ended a sample: {set(engine.stop_ids) - seen}"
     assert {s.finish_reason for s in stopped} == {"stop", "length"}
     for s in stopped:  # the echo flag is computed on every sample, boundary included
-        from shared.prompts import has_marker_trigram
+        from nla_grpo.shared.prompts import has_marker_trigram
 
         sp = engine.spec
         assert s.marker_echo == has_marker_trigram(s.prompt_ids[-2:] + s.response_ids, sp.marker_id, sp.left_id, sp.right_id)

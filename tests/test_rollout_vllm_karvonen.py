@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -14,8 +14,8 @@ PARITY_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir):
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     # block 0: the tiny model has two blocks, and a push after the last reaches only the marker's own logits
@@ -57,9 +57,9 @@ def test_compiled_karvonen_under_chunked_prefill_and_prefix_caching(tiny_dir):
     are preempted and recomputed), and prefix caching on while two requests share every token id."""
     import dataclasses
 
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.handles import in_process_scheduler, worker_model
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.handles import in_process_scheduler, worker_model
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     chunk = 8

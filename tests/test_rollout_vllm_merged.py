@@ -3,7 +3,7 @@ matches the HF engine running the adapter as a LoRA (fp32, CPU), push after push
 import pytest
 
 from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 PARITY_ATOL = 1e-4
 
@@ -13,8 +13,8 @@ PARITY_ATOL = 1e-4
 @pytest.mark.parametrize("mode", ["embed", "karvonen"])
 def test_merged_rollout_matches_the_adapter_push_after_push(tiny_dir, mode):
     pytest.importorskip("vllm")
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     injection = {"mode": "karvonen", "karvonen_layer": 0} if mode == "karvonen" else None
@@ -50,8 +50,8 @@ def test_merged_rollout_matches_the_adapter_push_after_push(tiny_dir, mode):
      "rollout.tensor_parallel_size=2"),
 ])
 def test_merged_is_refused_where_it_cannot_merge(change, why):
-    from shared.config import build_config
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
 
     raw = {"rollout": {"lora": "merged"}}
     for section, values in change.items():
@@ -63,8 +63,8 @@ def test_merged_is_refused_where_it_cannot_merge(change, why):
 def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir):
     """rollout.lora=merged with model.quantization nf4: vLLM is asked for no quantisation and planned with
     the weights in bf16; the engine sets its linears to the learner's NF4 base itself (GPU test)."""
-    from rollout.vllm.engine import engine_kwargs, weight_bytes
-    from shared.config import build_config
+    from nla_grpo.rollout.vllm.engine import engine_kwargs, weight_bytes
+    from nla_grpo.shared.config import build_config
 
     raw = {"model": {"path": str(tiny_dir / "model"), "dtype": "bfloat16", "quantization": "nf4"},
            "placement": {"mode": "colocated"}}
@@ -87,7 +87,7 @@ def coarse_roundtrip(w):
 def test_a_fused_weight_is_rounded_part_by_part():
     import torch
 
-    from shared.quantization import roundtrip_by_parts
+    from nla_grpo.shared.quantization import roundtrip_by_parts
 
     torch.manual_seed(0)
     q, k = torch.randn(6, 4), torch.randn(2, 4) * 10
@@ -112,10 +112,10 @@ def test_the_engine_base_rounded_module_by_module_matches_hf_with_the_same_weigh
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.hf_engine import HfEngine
-    from rollout.vllm.handles import worker_model
-    from rollout.vllm.worker_lora import linear_parts, nf4_base_in_worker
-    from rollout.vllm.engine import VllmEngine
+    from nla_grpo.rollout.hf_engine import HfEngine
+    from nla_grpo.rollout.vllm.handles import worker_model
+    from nla_grpo.rollout.vllm.worker_lora import linear_parts, nf4_base_in_worker
+    from nla_grpo.rollout.vllm.engine import VllmEngine
 
     spec = load_spec(sidecar_path(tiny_dir / "rl.parquet"))
     cfg = tiny_config(tiny_dir, None, group_size=4, max_new_tokens=16, lora="merged")

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from orchestrator.checkpoint import STATE_FILE, RunState, checkpoint_problem, is_checkpoint, required_parts
-from shared.errors import NlaInputError
+from nla_grpo.orchestrator.checkpoint import STATE_FILE, RunState, checkpoint_problem, is_checkpoint, required_parts
+from nla_grpo.shared.errors import NlaInputError
 
 
 def test_the_state_round_trips_and_an_import_says_where_it_came_from(tmp_path):

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from conftest import ROOT, run_cli
-from orchestrator.run_dir import RunDir
-from shared.config import build_config, load_config
-from shared.errors import NlaInputError
+from nla_grpo.orchestrator.run_dir import RunDir
+from nla_grpo.shared.config import build_config, load_config
+from nla_grpo.shared.errors import NlaInputError
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_a_checkpoint_written_before_newer_fields_still_resumes(tmp_path):
     config misses them, yet the resume is not refused; a field it did record is still compared."""
     from types import SimpleNamespace
 
-    from orchestrator.job import check_resume
+    from nla_grpo.orchestrator.job import check_resume
 
     cfg = build_config({"critic": {"add_bos": False}}, "t")
     saved = cfg.model_dump(mode="json")

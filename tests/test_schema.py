@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from shared.schema import (
+from nla_grpo.shared.schema import (
     FAILED_EXTRACTION_REWARD, extract_explanation, fve, fve_baselines, normalize_activation, normalized_mse,
     resolve_scale, reward_from_mse,
 )

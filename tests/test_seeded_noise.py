@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from rollout.seeded_noise import (OFFSET_STEP, exponential_noise_reference, generator_positions, seeded_noise_like)
+from nla_grpo.rollout.seeded_noise import (OFFSET_STEP, exponential_noise_reference, generator_positions, seeded_noise_like)
 
 
 def noise(seeds, positions, vocab):
@@ -106,7 +106,7 @@ def test_seeded_rows_get_their_keys_noise_and_the_others_the_default_generator()
 
 
 def test_the_patch_replaces_only_vllms_loop_and_passes_everything_else_through():
-    from rollout.vllm.patches import batched_seeded_sampling
+    from nla_grpo.rollout.vllm.patches import batched_seeded_sampling
 
     calls = []
 
@@ -131,7 +131,7 @@ def test_the_installed_vllm_sampler_takes_the_patch():
     draws the seeded rows' noise, and the patched one still samples CPU tensors through vLLM's own."""
     from vllm.v1.sample.ops import topk_topp_sampler as module
 
-    from rollout.vllm.patches import batched_seeded_sampling
+    from nla_grpo.rollout.vllm.patches import batched_seeded_sampling
 
     original = module.random_sample
     try:

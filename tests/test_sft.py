@@ -73,7 +73,7 @@ def test_av_sft_lowers_the_held_out_nll_and_rl_takes_its_adapter(straight_av, ti
     assert evals[-1] < 0.5 * evals[0], evals
     assert all(k in rows[-1] for k in ("loss", "lr", "grad_norm", "sft/tokens_per_s", "sft/tflops_executed"))
     assert (straight_av / "plots" / "curves.png").is_file()
-    from orchestrator.plot import SFT_PANELS, panels_for
+    from nla_grpo.orchestrator.plot import SFT_PANELS, panels_for
 
     assert panels_for(rows) is SFT_PANELS and all(any(k in r for r in rows for k in keys) for t, keys in SFT_PANELS
                                                   if "AR" not in t)
@@ -97,7 +97,7 @@ def test_av_sft_lowers_the_held_out_nll_and_rl_takes_its_adapter(straight_av, ti
 def test_a_killed_av_sft_resumes_to_the_straight_runs_adapter(straight_av, tiny_dir, explained, tmp_path):
     run = tmp_path / "killed"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.cli", "sft", "av", str(ROOT / "deploy/tiny.yaml"),
+    proc = subprocess.Popen([sys.executable, "-m", "nla_grpo.orchestrator.cli", "sft", "av", str(ROOT / "deploy/tiny.yaml"),
                              "--run-dir", str(run), *data_args(tiny_dir, explained), *AV], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300

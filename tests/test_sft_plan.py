@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sft.plan import StepBatches, epoch_batches, lr_at, response_ids, response_text, token_nll_sum, total_steps
+from nla_grpo.sft.plan import StepBatches, epoch_batches, lr_at, response_ids, response_text, token_nll_sum, total_steps
 
 
 def test_an_epoch_sees_every_row_once_in_batches_of_at_least_the_budget():

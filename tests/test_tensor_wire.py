@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from shared.tensor_wire import ALIGN, layout, pack_tensors, unpack_tensors
+from nla_grpo.shared.tensor_wire import ALIGN, layout, pack_tensors, unpack_tensors
 
 
 def _tensors():

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from shared.prompts import render_av_ids
-from shared.data import read_rows
-from shared.spec import load_spec, sidecar_path
+from nla_grpo.shared.prompts import render_av_ids
+from nla_grpo.shared.data import read_rows
+from nla_grpo.shared.spec import load_spec, sidecar_path
 
 
 def _prompt_ids(tiny_dir):
@@ -32,7 +32,7 @@ def test_transformers_generates(tiny_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_vllm_generates(tiny_dir):
-    from rollout.vllm.env import prepare_engine_env
+    from nla_grpo.rollout.vllm.env import prepare_engine_env
 
     prepare_engine_env(cpu=True)
     vllm = pytest.importorskip("vllm")

@@ -4,8 +4,8 @@ gather sums a shared prompt key's gradient in a fixed order."""
 import pytest
 import torch
 
-from learner.packing import segment_mask
-from learner.varlen_attention import attend, flash, gather_keys, layout, reference
+from nla_grpo.learner.packing import segment_mask
+from nla_grpo.learner.varlen_attention import attend, flash, gather_keys, layout, reference
 
 from test_learner_kernels import MODES, _gradients, rollouts  # noqa: F401  (the module's fixture)
 
@@ -113,7 +113,7 @@ def test_the_kernel_call_fits_the_installed_torch():
 
 
 def test_packing_builds_the_layout_only_when_asked():
-    from learner.packing import build_rows, pack
+    from nla_grpo.learner.packing import build_rows, pack
 
     vec = torch.zeros(3)
     rows = build_rows([[1, 2, 3]] * 2 + [[4, 5]], [1, 1, 0], [vec, vec, vec + 1], [2, 3, 1])
@@ -140,8 +140,8 @@ def test_varlen_attention_gives_the_dense_masks_gradients_through_the_learner(ti
 
 
 def test_varlen_on_a_gpu_in_fp32_or_unpacked_is_refused_in_one_line(tiny_dir):
-    from shared.config import build_config
-    from shared.errors import NlaInputError
+    from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.errors import NlaInputError
 
     base = {"model": {"path": str(tiny_dir / "model"), "dtype": "float32"},
             "data": {"parquet": str(tiny_dir / "rl.parquet")}}
@@ -194,8 +194,8 @@ def test_varlen_attention_scores_like_the_dense_mask_on_the_gpu(tiny_dir, rollou
     logprobs to bf16 rounding (on the H200 they agreed to 5e-5, and both lay 0.06-0.08 from the fp32 forward, the
     margin a wrong mask would exceed). Forward only: after a bf16 update this tiny model's gradients are not
     repeatable even for the dense mask against itself (cosine 0.85 in one run), so they cannot be compared."""
-    from learner.learner import Learner
-    from learner.policy import POLICY
+    from nla_grpo.learner.learner import Learner
+    from nla_grpo.learner.policy import POLICY
     from test_learner_support import load_tiny_spec, make_cfg
 
     samples, vectors = rollouts[mode]

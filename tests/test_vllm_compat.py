@@ -39,7 +39,7 @@ def test_engine_and_worker_internals():
     from vllm.v1.engine.core_client import InprocClient
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from rollout.vllm.worker_lora import _unstacked
+    from nla_grpo.rollout.vllm.worker_lora import _unstacked
 
     assert InprocClient.__name__ == "InprocClient" and callable(InprocClient.shutdown)
     assert callable(LLMEngine.add_lora) and callable(LLMEngine.remove_lora)
@@ -56,7 +56,7 @@ def test_a_later_engine_may_capture_graphs_after_an_earlier_one_turned_capture_o
     back on (the V2 runner never sets it), and vLLM's own check then lets the capture through."""
     from vllm.compilation import monitor
 
-    from rollout.vllm.patches import allow_graph_capture
+    from nla_grpo.rollout.vllm.patches import allow_graph_capture
 
     monitor.set_cudagraph_capturing_enabled(False)  # what a V1-runner engine leaves behind
     try:
@@ -72,13 +72,13 @@ def test_a_later_engine_may_capture_graphs_after_an_earlier_one_turned_capture_o
 def test_lora_ranks_are_the_ones_vllm_accepts():
     import vllm.config.lora as lora_config
 
-    from shared.config import VLLM_LORA_RANKS as LORA_RANKS
+    from nla_grpo.shared.config import VLLM_LORA_RANKS as LORA_RANKS
 
     assert tuple(typing.get_args(lora_config.MaxLoRARanks)) == LORA_RANKS
 
 
 def test_engine_environment_respects_what_is_set(monkeypatch):
-    from rollout.vllm.env import prepare_engine_env
+    from nla_grpo.rollout.vllm.env import prepare_engine_env
 
     for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_WORKER_MULTIPROC_METHOD",
                 "NLA_GRPO_ENGINE"):
@@ -97,7 +97,7 @@ def test_the_router_gemm_warmup_is_skipped_only_where_it_ignores_the_model():
     no-op. Where it takes the model (later vLLM, the CPU build here) it already skips dense models: kept."""
     import types
 
-    from rollout.vllm.patches import skip_router_gemm_warmup
+    from nla_grpo.rollout.vllm.patches import skip_router_gemm_warmup
     from vllm.model_executor.warmup import kernel_warmup
 
     installed = kernel_warmup._warmup_ll_bf16_router_gemm
@@ -114,8 +114,8 @@ def test_the_router_gemm_warmup_is_skipped_only_where_it_ignores_the_model():
 def test_the_plugin_patches_only_this_projects_engines(monkeypatch):
     """The plugin's entry point is installed for the whole environment: another program's vLLM (say, one
     serving a MoE model) keeps its warm-up and its sampler; the engines this project starts carry the variable."""
-    from rollout.vllm import env, patches
-    from rollout.vllm.plugin import register
+    from nla_grpo.rollout.vllm import env, patches
+    from nla_grpo.rollout.vllm.plugin import register
 
     calls = []
     monkeypatch.setattr(patches, "skip_router_gemm_warmup", lambda: calls.append("warmup") or True)
@@ -138,7 +138,7 @@ def test_the_lean_logprobs_path_keeps_what_vllms_own_keeps():
     import types
 
     import numpy as np
-    from rollout.vllm.patches import lean_sampled_logprobs
+    from nla_grpo.rollout.vllm.patches import lean_sampled_logprobs
     from vllm.logprobs import FlatLogprobs
     from vllm.v1.engine import logprobs as module
     from vllm.v1.outputs import LogprobsLists
@@ -180,7 +180,7 @@ def test_a_groups_samples_share_their_prompts_block_keys():
     import types
 
     import torch
-    from rollout.vllm.patches import shared_prompt_embeds_hashes
+    from nla_grpo.rollout.vllm.patches import shared_prompt_embeds_hashes
     from vllm.v1.core import kv_cache_utils
 
     assert list(inspect.signature(kv_cache_utils._gen_prompt_embeds_extra_hash_keys).parameters)[:3] == [
@@ -220,7 +220,7 @@ def test_cpu_engines_rank_logprobs_eagerly_with_the_same_counts():
     import types
 
     import torch
-    from rollout.vllm.patches import eager_logprob_ranks
+    from nla_grpo.rollout.vllm.patches import eager_logprob_ranks
     from vllm.v1.sample import sampler
     from vllm.v1.sample.ops import logprobs as ops
 
@@ -243,8 +243,8 @@ def test_a_forwarded_message_survives_the_engine_cores_msgpack_route():
     on an H200: a dict, and the push failed in the worker); ``forwarded_message`` bytes come out whole."""
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    from rollout.vllm.worker_lora import forwarded_message, received_message
-    from shared.weight_sync import AdapterMessage
+    from nla_grpo.rollout.vllm.worker_lora import forwarded_message, received_message
+    from nla_grpo.shared.weight_sync import AdapterMessage
 
     message = AdapterMessage(kind="cuda_ipc", version=3, peft_config={"r": 8, "target_modules": ["q_proj"]},
                              entries=[["a.lora_A.weight", [8, 64], "float32", 0, 2048]], nbytes=2048,
@@ -261,8 +261,8 @@ def test_a_forwarded_message_survives_the_engine_cores_msgpack_route():
 
 
 def test_the_schema_knows_vllms_largest_lora_rank():
-    from shared.config import VLLM_LORA_RANKS as LORA_RANKS
-    from shared.config import VLLM_MAX_LORA_RANK, build_config
+    from nla_grpo.shared.config import VLLM_LORA_RANKS as LORA_RANKS
+    from nla_grpo.shared.config import VLLM_MAX_LORA_RANK, build_config
 
     assert max(LORA_RANKS) == VLLM_MAX_LORA_RANK
     build_config({"learner": {"lora_r": VLLM_MAX_LORA_RANK + 1}, "rollout": {"lora": "merged"}})  # no LoRA kernels there
@@ -273,7 +273,7 @@ def test_sampled_logprobs_read_flat_lists_and_per_token_dicts_alike():
 
     from vllm.logprobs import FlatLogprobs, Logprob
 
-    from rollout.vllm.patches import flat_logprobs_option, sampled_logprobs
+    from nla_grpo.rollout.vllm.patches import flat_logprobs_option, sampled_logprobs
 
     assert flat_logprobs_option(vllm.SamplingParams) == {"flat_logprobs": True}
     assert flat_logprobs_option(object) == {}  # a vLLM without the field: the default dicts
@@ -290,7 +290,7 @@ def test_sampled_logprobs_read_flat_lists_and_per_token_dicts_alike():
 def test_the_marker_input_route_names_its_class_and_refuses_other_architectures():
     import torch
 
-    from rollout.vllm import marker_input as marker
+    from nla_grpo.rollout.vllm import marker_input as marker
 
     assert marker.hf_overrides("Qwen3ForCausalLM", 7) == {"architectures": ["NlaMarkerInputQwen3ForCausalLM"],
                                                          "nla_marker_id": 7}
@@ -310,7 +310,7 @@ def test_the_marker_input_classes_are_built_once_and_found_again(monkeypatch):
     """vLLM looks the class up by name in each of its processes; building it registers its input processor, which
     must happen once, not at every lookup."""
     pytest.importorskip("vllm")
-    from rollout.vllm import marker_input as marker
+    from nla_grpo.rollout.vllm import marker_input as marker
 
     for name in marker.CLASS_NAMES:  # as if nothing were built yet (an earlier engine may have built them)
         monkeypatch.delitem(vars(marker), name, raising=False)
@@ -320,7 +320,7 @@ def test_the_marker_input_classes_are_built_once_and_found_again(monkeypatch):
     cls = getattr(marker, name)
     assert getattr(marker, name) is cls and cls.__name__ == name and len(builds) == 1
     # the karvonen class with the item input, built in the same pass: the stock class's subclass via karvonen's
-    from rollout.vllm import karvonen
+    from nla_grpo.rollout.vllm import karvonen
 
     both = getattr(marker, marker.PREFIX + "NlaKarvonenQwen3ForCausalLM")
     assert issubclass(both, getattr(karvonen, "NlaKarvonenQwen3ForCausalLM")) and len(builds) == 1
@@ -333,7 +333,7 @@ def test_a_pushed_adapter_is_copied_only_where_vllm_would_scale_the_callers_tens
     """vLLM converts each LoRA tensor to its LoRA dtype and then scales lora_B in place: a tensor already in that dtype
     would be the caller's own, so it is cloned; an fp32 one received for a bf16 engine is converted into a new tensor
     anyway, so no second fp32 copy is made (on the GPU, 1.3 GiB at rank 128 on the 8B shape)."""
-    from rollout.vllm.worker_lora import private_lora_tensors
+    from nla_grpo.rollout.vllm.worker_lora import private_lora_tensors
 
     fp32 = {"a": torch.ones(4, 3), "b": torch.full((5, 4), 2.0)}
     kept = private_lora_tensors(fp32, torch.bfloat16)

@@ -5,8 +5,8 @@ import types
 import pytest
 import torch
 
-from rollout.vllm.karvonen import SENTINEL_NORM, _forward, find_sites, hf_overrides, mark_site, sentinel_row
-from shared.injection import karvonen_delta
+from nla_grpo.rollout.vllm.karvonen import SENTINEL_NORM, _forward, find_sites, hf_overrides, mark_site, sentinel_row
+from nla_grpo.shared.injection import karvonen_delta
 
 
 class Block(torch.nn.Module):
@@ -81,10 +81,10 @@ def test_the_plugin_is_installed_and_never_raises(monkeypatch, caplog):
     pytest.importorskip("vllm")
     import sys
 
-    from rollout.vllm.plugin import register, registered
+    from nla_grpo.rollout.vllm.plugin import register, registered
 
     assert registered()  # the package's entry point is what vLLM loads in each of its processes
-    monkeypatch.setitem(sys.modules, "rollout.vllm.karvonen", None)  # importing it now fails
+    monkeypatch.setitem(sys.modules, "nla_grpo.rollout.vllm.karvonen", None)  # importing it now fails
     with caplog.at_level("WARNING"):
         register()  # an error here would stop every vLLM engine in the environment
     assert "karvonen and marker-input model classes are not registered (ModuleNotFoundError" in caplog.text

@@ -8,12 +8,12 @@ import pickle
 import pytest
 import torch
 
-from learner.actor import LearnerActor
-from rollout.actor import RolloutActor
-from rollout.vllm.adapter_registry import check_update
-from shared.config import BroadcastSync, CudaIpcSync, FileSync, HostSync
-from shared.types import AdapterUpdate
-from shared.weight_sync import make_receiver, make_sender
+from nla_grpo.learner.actor import LearnerActor
+from nla_grpo.rollout.actor import RolloutActor
+from nla_grpo.rollout.vllm.adapter_registry import check_update
+from nla_grpo.shared.config import BroadcastSync, CudaIpcSync, FileSync, HostSync
+from nla_grpo.shared.types import AdapterUpdate
+from nla_grpo.shared.weight_sync import make_receiver, make_sender
 
 SETTINGS = {"host": HostSync(), "file": FileSync(), "cuda_ipc": CudaIpcSync(), "broadcast": BroadcastSync(timeout_s=60.0)}
 PEFT = {"r": 4, "lora_alpha": 8, "peft_type": "LORA"}
@@ -108,7 +108,7 @@ def _skip(device, kind):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("device,kind", CASES, ids=[f"{d}-{k}" for d, k in CASES])
 def test_every_variant_delivers_each_version_exactly(ray_local, device, kind):
-    from orchestrator.weight_push import AdapterPush
+    from nla_grpo.orchestrator.weight_push import AdapterPush
 
     _skip(device, kind)
     ray = ray_local
@@ -204,7 +204,7 @@ def test_ray_carries_the_host_buffer_out_of_band(ray_local):
 
 def test_only_a_handle_goes_on_to_another_process():
     """Which messages an engine core in its own process may open itself: the cuda_ipc handle, no other variant's."""
-    from shared.weight_sync import AdapterMessage, VARIANTS, forwardable, make_receiver
+    from nla_grpo.shared.weight_sync import AdapterMessage, VARIANTS, forwardable, make_receiver
 
     assert {kind for kind in VARIANTS if forwardable(AdapterMessage(kind, 1, {}, [], 0))} == {"cuda_ipc"}
     assert make_receiver("cuda_ipc").forwardable and not make_receiver("host").forwardable

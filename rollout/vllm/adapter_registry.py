@@ -17,10 +17,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
-from rollout.vllm.handles import engine_in_process
-from shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from shared.fileio import jsonable, write_json
-from shared.types import AdapterUpdate
+from nla_grpo.rollout.vllm.handles import engine_in_process
+from nla_grpo.shared.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from nla_grpo.shared.fileio import jsonable, write_json
+from nla_grpo.shared.types import AdapterUpdate
 
 
 
@@ -98,7 +98,7 @@ class AdapterRegistry(ABC):
     def _register(self, update: AdapterUpdate): ...
 
     def _retire(self, version: int) -> None:
-        from rollout.vllm.handles import engine_remove_lora
+        from nla_grpo.rollout.vllm.handles import engine_remove_lora
 
         engine_remove_lora(self.llm, version)
         shutil.rmtree(self.root / adapter_name(version), ignore_errors=True)
@@ -117,7 +117,7 @@ class FileRegistry(AdapterRegistry):
     def _register(self, update: AdapterUpdate):
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm.handles import engine_add_lora
+        from nla_grpo.rollout.vllm.handles import engine_add_lora
 
         path = write_adapter_dir(update, self.root / adapter_name(update.version))
         request = LoRARequest(adapter_name(update.version), update.version, str(path))
@@ -142,7 +142,7 @@ class MemoryRegistry(AdapterRegistry):
         from safetensors.torch import save
         from vllm.lora.request import LoRARequest
 
-        from rollout.vllm.worker_lora import register_adapter_in_worker
+        from nla_grpo.rollout.vllm.worker_lora import register_adapter_in_worker
 
         # the request needs a path, never read (the id is already registered); an empty dir keeps
         # any path validation on the way happy
@@ -151,7 +151,7 @@ class MemoryRegistry(AdapterRegistry):
         # direct: tensors stay where they are (GPU tensors go straight into the worker's LoRA slots); a
         # forwarded message goes pickled (the worker opens it)
         if isinstance(update, ForwardedUpdate):
-            from rollout.vllm.worker_lora import forwarded_message
+            from nla_grpo.rollout.vllm.worker_lora import forwarded_message
 
             payload = forwarded_message(update.message)
         else:

@@ -15,11 +15,11 @@ import os
 
 import uuid
 
-from rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
-from rollout.vllm.patches import sampled_logprobs
-from shared.config import VLLM_LORA_RANKS as LORA_RANKS
-from shared.errors import NlaInputError
-from shared.types import AdapterUpdate, PromptRequest, Sample
+from nla_grpo.rollout.engine import RolloutEngine, SampleBuilder, check_request, model_dir, request_vector, sample_seed, stop_token_ids
+from nla_grpo.rollout.vllm.patches import sampled_logprobs
+from nla_grpo.shared.config import VLLM_LORA_RANKS as LORA_RANKS
+from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.types import AdapterUpdate, PromptRequest, Sample
 
 
 def max_lora_rank_for(r: int) -> int:
@@ -37,7 +37,7 @@ def dtype_name(dtype) -> str:
 def adapter_shape(cfg) -> tuple[int, list[str]]:
     """Largest LoRA rank and target modules the engine must accept: the SFT adapter's when the
     policy starts from one (its saved config, rank_pattern included), else the fresh adapter's."""
-    from shared.adapter import AdapterDir
+    from nla_grpo.shared.adapter import AdapterDir
 
     init = cfg.learner.adapter_init
     if not init:
@@ -49,7 +49,7 @@ def adapter_shape(cfg) -> tuple[int, list[str]]:
 def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
     """``overrides(architecture, marker_id)`` for the checkpoint's architecture (``config.json``); an
     architecture it refuses is an input error naming that file."""
-    from shared.model_facts import architectures
+    from nla_grpo.shared.model_facts import architectures
 
     path = model_dir(cfg) / "config.json"
     archs = architectures(model_dir(cfg)) or ["?"]
@@ -69,8 +69,8 @@ def vector_input(cfg) -> str:
         return ro.vector_input
     if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
         return "prompt_embeds"
-    from rollout.vllm.marker_input import ARCHITECTURES
-    from shared.model_facts import architectures
+    from nla_grpo.rollout.vllm.marker_input import ARCHITECTURES
+    from nla_grpo.shared.model_facts import architectures
 
     archs = architectures(model_dir(cfg))
     return "multimodal" if archs[:1] and archs[0] in ARCHITECTURES else "prompt_embeds"
@@ -78,7 +78,7 @@ def vector_input(cfg) -> str:
 
 def karvonen_overrides(cfg, marker_id: int) -> dict:
     """``hf_overrides`` selecting the injecting model class for the checkpoint's architecture."""
-    from rollout.vllm.karvonen import hf_overrides
+    from nla_grpo.rollout.vllm.karvonen import hf_overrides
 
     return checkpoint_overrides(cfg, lambda arch, marker: hf_overrides(arch, cfg.injection.karvonen_layer, marker),
                                 marker_id)
@@ -87,7 +87,7 @@ def karvonen_overrides(cfg, marker_id: int) -> dict:
 def marker_input_options(cfg, marker_id: int) -> dict:
     """``rollout.vector_input: multimodal``: the engine options and ``hf_overrides`` of the class that reads the
     marker's row as a multimodal item (``rollout.vllm.marker_input``)."""
-    from rollout.vllm import marker_input as marker
+    from nla_grpo.rollout.vllm import marker_input as marker
 
     layer = cfg.injection.karvonen_layer if cfg.injection.mode == "karvonen" else None
     return {**marker.engine_options(),
@@ -98,7 +98,7 @@ def marker_input_options(cfg, marker_id: int) -> dict:
 def model_shape(cfg, dtype) -> dict:
     """What the KV cache of the subject model costs per token: layers, KV heads, head size, element bytes (one
     where ``rollout.engine_options`` sets an fp8 ``kv_cache_dtype``)."""
-    from shared.model_facts import text_config
+    from nla_grpo.shared.model_facts import text_config
 
     c = text_config(model_dir(cfg))
     heads = c["num_attention_heads"]
@@ -111,7 +111,7 @@ def model_shape(cfg, dtype) -> dict:
 def weight_bytes(cfg, dtype=None) -> int:
     """The engine's weights on the GPU, in the run's ``dtype`` (bf16 where None): the base, or about a third of it
     quantised to 4 bits (a merged engine holds the NF4 base dequantised)."""
-    from shared.model_facts import base_bytes
+    from nla_grpo.shared.model_facts import base_bytes
 
     return base_bytes(model_dir(cfg), 4 if dtype is not None and dtype_name(dtype) == "float32" else 2, vllm_quantizes(cfg))
 
@@ -125,8 +125,8 @@ def vllm_quantizes(cfg) -> bool:
 def gpu_plan(cfg, dtype, total_bytes: int, resident_bytes: int = 0):
     """The engine's ``rollout.engine_plan.EnginePlan`` for this run on a GPU of ``total_bytes`` (colocated: beside
     the learner and the critic, which hold ``resident_bytes`` there: ``orchestrator.memory_budget``)."""
-    from rollout.engine_plan import plan_engine
-    from shared.model_facts import text_config
+    from nla_grpo.rollout.engine_plan import plan_engine
+    from nla_grpo.shared.model_facts import text_config
 
     ro = cfg.rollout
     colocated = cfg.placement.mode == "colocated"
@@ -144,7 +144,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
     """``vllm.LLM`` keyword arguments from the run config (``marker_id``: the marker token, for the karvonen and
     marker-input classes; ``total_bytes``: the GPU's memory, and ``resident_bytes`` what the learner and critic hold
     beside a colocated engine, for the plan; ``route``: ``vector_input(cfg)`` when the caller has it already)."""
-    from rollout.vllm.patches import prefix_cache_keys_embeds
+    from nla_grpo.rollout.vllm.patches import prefix_cache_keys_embeds
 
     ro = cfg.rollout
     rank, targets = adapter_shape(cfg)
@@ -166,7 +166,7 @@ def engine_kwargs(cfg, device: str, dtype, marker_id: int | None = None, total_b
         kwargs.update(marker_input_options(cfg, marker_id))
     elif cfg.injection.mode == "karvonen":
         kwargs["hf_overrides"] = karvonen_overrides(cfg, marker_id)
-    from shared.quantization import vllm_options
+    from nla_grpo.shared.quantization import vllm_options
 
     if vllm_quantizes(cfg):
         kwargs.update(vllm_options(cfg.model.quantization))  # the learner's base, quantised in flight alike
@@ -207,7 +207,7 @@ class VllmEngine(RolloutEngine):
     ``gpu_memory_utilization: auto`` leaves them."""
 
     def __init__(self, cfg, spec, device: str = "cpu", resident_bytes: int = 0):
-        from rollout.vllm.env import prepare_engine_env
+        from nla_grpo.rollout.vllm.env import prepare_engine_env
 
         cpu = not str(device).startswith("cuda")
         self.karvonen = cfg.injection.mode == "karvonen"
@@ -220,17 +220,17 @@ class VllmEngine(RolloutEngine):
                            ship_callables=in_worker, own_process=own)
         import vllm
 
-        from rollout.vllm.patches import eager_logprob_ranks, engine_patches
+        from nla_grpo.rollout.vllm.patches import eager_logprob_ranks, engine_patches
 
         engine_patches()  # for an engine core in this process; the plugin applies them in vLLM's own
         if cpu:
             eager_logprob_ranks()  # CPU engines run in this process (prepare_engine_env)
         from transformers import AutoTokenizer
 
-        from rollout.embeddings import embedding_multiplier, load_embed_tokens
-        from rollout.vllm.adapter_registry import make_registry
-        from shared.injection import embed_norm
-        from shared.torch_utils import resolve_dtype
+        from nla_grpo.rollout.embeddings import embedding_multiplier, load_embed_tokens
+        from nla_grpo.rollout.vllm.adapter_registry import make_registry
+        from nla_grpo.shared.injection import embed_norm
+        from nla_grpo.shared.torch_utils import resolve_dtype
 
         self.cfg, self.spec = cfg, spec
         self.device = "cpu" if cpu else "cuda"
@@ -244,7 +244,7 @@ class VllmEngine(RolloutEngine):
                       if cfg.injection.mode == "embed" else None)  # karvonen needs no scale
         self.builder = SampleBuilder(self.tokenizer, spec, self.stop_ids, cfg.rollout.prefill, cfg.rollout.max_new_tokens)
         self._vllm = vllm
-        from rollout.vllm.patches import flat_logprobs_option
+        from nla_grpo.rollout.vllm.patches import flat_logprobs_option
 
         self._flat = flat_logprobs_option(vllm.SamplingParams)
         total = None
@@ -256,7 +256,7 @@ class VllmEngine(RolloutEngine):
         kwargs = engine_kwargs(cfg, self.device, self.dtype, spec.marker_id, total, resident_bytes, self.vector_input)
         check_engine_kwargs(vllm, kwargs)
         if self.karvonen or self.vector_input == "multimodal":
-            from rollout.vllm.plugin import registered
+            from nla_grpo.rollout.vllm.plugin import registered
 
             if not registered():
                 field = "injection.mode" if self.karvonen else "rollout.vector_input"
@@ -265,11 +265,11 @@ class VllmEngine(RolloutEngine):
         self.plan_kwargs = kwargs  # what the engine was built with (benchmarks report it)
         self.merged = cfg.rollout.lora == "merged"
         if not cpu:
-            from rollout.vllm.patches import allow_graph_capture
+            from nla_grpo.rollout.vllm.patches import allow_graph_capture
 
             allow_graph_capture()  # an earlier V1-runner engine of this process may have left it off
         if self.merged and cpu:
-            from rollout.vllm.env import cpu_linears_keep_weights
+            from nla_grpo.rollout.vllm.env import cpu_linears_keep_weights
 
             with cpu_linears_keep_weights():
                 self.llm = vllm.LLM(**kwargs)
@@ -277,7 +277,7 @@ class VllmEngine(RolloutEngine):
             self.llm = vllm.LLM(**kwargs)
         self.nf4_base: dict = {}
         if self.merged and cfg.model.quantization != "none":
-            from rollout.vllm.worker_lora import nf4_base_in_worker
+            from nla_grpo.rollout.vllm.worker_lora import nf4_base_in_worker
 
             self.nf4_base = self.llm.collective_rpc(nf4_base_in_worker)[0]
         self.prefix_caching = bool(kwargs.get("enable_prefix_caching"))
@@ -295,14 +295,14 @@ class VllmEngine(RolloutEngine):
         """The request's ``prompt_embeds[T, d]``; ``inject=False`` gives the plain token embeddings.
 
         karvonen mode: the site row is the sentinel that carries the request's vector."""
-        from shared.injection import embed_prompt
+        from nla_grpo.shared.injection import embed_prompt
 
         check_request(req, self.spec)
         vector = request_vector(req, self.spec.d_model)
         if not self.karvonen:
             return embed_prompt(req.prompt_ids, self.embed_weight, req.site if inject else None, vector, self.scale,
                                 self.embed_multiplier)
-        from rollout.vllm.karvonen import mark_site
+        from nla_grpo.rollout.vllm.karvonen import mark_site
 
         plain = embed_prompt(req.prompt_ids, self.embed_weight, None, None, self.scale, self.embed_multiplier)
         return mark_site(plain, req.site, vector) if inject else plain
@@ -312,8 +312,8 @@ class VllmEngine(RolloutEngine):
         with the marker's injected row as an item, the row the embeddings would carry there."""
         if self.vector_input != "multimodal":
             return {"prompt_embeds": self.prompt_embeds(req, inject)}
-        from rollout.vllm.marker_input import marker_item
-        from shared.injection import embed_prompt
+        from nla_grpo.rollout.vllm.marker_input import marker_item
+        from nla_grpo.shared.injection import embed_prompt
 
         check_request(req, self.spec)
         prompt = {"prompt_token_ids": list(req.prompt_ids)}
@@ -321,7 +321,7 @@ class VllmEngine(RolloutEngine):
             return prompt
         vector = request_vector(req, self.spec.d_model)
         if self.karvonen:  # the sentinel that carries the vector, as the prompt embeddings would at the marker
-            from rollout.vllm.karvonen import sentinel_row
+            from nla_grpo.rollout.vllm.karvonen import sentinel_row
 
             row = sentinel_row(vector).to(self.embed_weight.dtype)
         else:  # the marker's row alone: embed_prompt over that one token, with the vector in its place
@@ -361,11 +361,11 @@ class VllmEngine(RolloutEngine):
         return samples
 
     def load_adapter(self, update: AdapterUpdate) -> None:
-        from rollout.vllm.adapter_registry import check_update
+        from nla_grpo.rollout.vllm.adapter_registry import check_update
 
         check_update(update, self._version)
         if self.merged:
-            from rollout.vllm.worker_lora import merge_adapter_in_worker
+            from nla_grpo.rollout.vllm.worker_lora import merge_adapter_in_worker
 
             tensors, config = update.tensors, update.peft_config
             self.last_push = self.llm.collective_rpc(lambda w: merge_adapter_in_worker(w, tensors, config))[0]
@@ -377,20 +377,20 @@ class VllmEngine(RolloutEngine):
     def receives_in_worker(self) -> bool:
         """Whether a ``cuda_ipc`` push should go on to the worker as its handle (``load_adapter_message``):
         an engine core in its own process on one GPU, which would otherwise get the tensors serialised."""
-        from rollout.vllm.handles import engine_in_process
+        from nla_grpo.rollout.vllm.handles import engine_in_process
 
         return self.device == "cuda" and self.cfg.rollout.tensor_parallel_size == 1 and not engine_in_process(self.llm)
 
     def load_adapter_message(self, message) -> None:
         """Load a ``cuda_ipc`` ``AdapterMessage`` whose tensors the worker reads from the learner's buffer."""
-        from rollout.vllm.adapter_registry import ForwardedUpdate, check_version
-        from shared.weight_sync import forwardable
+        from nla_grpo.rollout.vllm.adapter_registry import ForwardedUpdate, check_version
+        from nla_grpo.shared.weight_sync import forwardable
 
         if not forwardable(message):
             raise ValueError(f"weight sync: only a handle goes on to the worker (cuda_ipc), found a {message.kind!r} message")
         check_version(message.version, self._version)
         if self.merged:
-            from rollout.vllm.worker_lora import forwarded_message, merge_message_in_worker
+            from nla_grpo.rollout.vllm.worker_lora import forwarded_message, merge_message_in_worker
 
             self.last_push = self.llm.collective_rpc(merge_message_in_worker, args=(forwarded_message(message),))[0]
         else:
@@ -399,7 +399,7 @@ class VllmEngine(RolloutEngine):
 
     def describe(self) -> str:
         """vLLM's version, its model runner, how the vector reaches it and the KV cache and batch it was planned."""
-        from rollout.vllm.handles import async_scheduling, model_runner
+        from nla_grpo.rollout.vllm.handles import async_scheduling, model_runner
 
         kw, gib = self.plan_kwargs, 1 << 30
         vector = ("the marker's row as a multimodal item" if self.vector_input == "multimodal"
@@ -425,7 +425,7 @@ class VllmEngine(RolloutEngine):
             self.registry.close()
             self.registry = None
         if llm is not None:
-            from rollout.vllm.handles import shutdown_engine_core
+            from nla_grpo.rollout.vllm.handles import shutdown_engine_core
 
             shutdown_engine_core(llm)
             del llm

@@ -117,7 +117,7 @@ def _build():
         MarkerInput.__module__ = __name__
         return MarkerInput
 
-    from rollout.vllm import karvonen
+    from nla_grpo.rollout.vllm import karvonen
 
     return {PREFIX + "Qwen3ForCausalLM": text_class(Qwen3ForCausalLM),
             PREFIX + KARVONEN + "Qwen3ForCausalLM": text_class(getattr(karvonen, KARVONEN + "Qwen3ForCausalLM"))}

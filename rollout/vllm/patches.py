@@ -98,7 +98,7 @@ def batched_seeded_sampling(module=None) -> bool:
             fp64 = bool(args[0] if args else kwargs.get("use_fp64_gumbel", False))
             if not generators or fp64 or probs.device.type != "cuda":
                 return original(probs, generators, *args, **kwargs)
-            from rollout.seeded_noise import seeded_noise_like
+            from nla_grpo.rollout.seeded_noise import seeded_noise_like
 
             q = seeded_noise_like(probs, generators)
             return finish(probs, q) if finish is not None else probs.div_(q).argmax(dim=-1).view(-1)

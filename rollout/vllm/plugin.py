@@ -16,7 +16,7 @@ def register() -> None:
     ``rollout.vllm.patches.engine_patches``; other programs' vLLM stays as it is."""
     import os
 
-    from rollout.vllm import env, patches  # standard library only: importing it cannot fail where this module loads
+    from nla_grpo.rollout.vllm import env, patches  # standard library only: importing it cannot fail where this module loads
 
     if os.environ.get(env.OUR_ENGINE) == "1":
         patches.engine_patches()  # never raises either
@@ -30,11 +30,11 @@ def register() -> None:
     try:
         from vllm import ModelRegistry
 
-        from rollout.vllm import marker_input as marker
-        from rollout.vllm.karvonen import ARCHITECTURES, PREFIX
+        from nla_grpo.rollout.vllm import marker_input as marker
+        from nla_grpo.rollout.vllm.karvonen import ARCHITECTURES, PREFIX
 
         known = set(ModelRegistry.get_supported_archs())
-        for module, names in (("rollout.vllm.karvonen", [PREFIX + arch for arch in ARCHITECTURES]),
+        for module, names in (("nla_grpo.rollout.vllm.karvonen", [PREFIX + arch for arch in ARCHITECTURES]),
                               (marker.__name__, marker.CLASS_NAMES)):
             for name in names:
                 if name not in known:
@@ -51,7 +51,7 @@ def registered() -> bool:
     from vllm import ModelRegistry
     from vllm.plugins import load_general_plugins
 
-    from rollout.vllm.karvonen import ARCHITECTURES, PREFIX
+    from nla_grpo.rollout.vllm.karvonen import ARCHITECTURES, PREFIX
 
     load_general_plugins()
     return PREFIX + ARCHITECTURES[0] in set(ModelRegistry.get_supported_archs())

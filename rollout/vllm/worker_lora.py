@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-from rollout.vllm.handles import worker_model
+from nla_grpo.rollout.vllm.handles import worker_model
 
 
 def _worker_lora_manager(worker):
@@ -162,7 +162,7 @@ def message_tensors(message) -> dict:
     from the learner's GPU buffer into this worker's memory (the mapping is released at once)."""
     import torch
 
-    from shared.weight_sync import CudaIpcReceiver
+    from nla_grpo.shared.weight_sync import CudaIpcReceiver
 
     return CudaIpcReceiver().receive(message, torch.device("cuda", torch.cuda.current_device())).tensors
 
@@ -253,7 +253,7 @@ def nf4_base_in_worker(worker, roundtrip=None) -> dict:
 
     import torch
 
-    from shared.quantization import nf4_roundtrip, roundtrip_by_parts
+    from nla_grpo.shared.quantization import nf4_roundtrip, roundtrip_by_parts
 
     t0 = time.perf_counter()
     model = worker_model(worker)
