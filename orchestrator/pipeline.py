@@ -339,6 +339,8 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
     sets = [f"seed={cfg.seed}"] + list(cfg.set)  # the pipeline's seed, unless its `set` names another
     config = rel(cfg.config)
     products = {"av": out / "sft_av" / "adapter" / "adapter_config.json", "ar": out / "sft_ar" / "critic" / "critic_meta.json"}
+    from nla_grpo.orchestrator.sft_run import done_line, run_sft
+
     for stage in ("av", "ar"):
         run = out / f"sft_{stage}"
         if products[stage].is_file():
@@ -346,8 +348,6 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] sft {stage}: {products[stage].parent} is there, skipped", flush=True)
             records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=False)
             continue
-        from nla_grpo.orchestrator.sft_run import done_line, run_sft
-
         if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
             _announce(f"sft {stage}", f"{run} continued from its last checkpoint")
             last = run_sft(stage, None, None, str(run), None, [], log=_log)

@@ -12,7 +12,6 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
     """``nla-grpo train``: a new RL run from ``config`` (in ``run_dir``, or a dated one under runs/) or ``resume`` of
     one; ``steps`` sets ``grpo.steps`` and ``overrides`` are ``--set`` lines. Starts Ray and the services, trains, and
     returns 0; a bad input raises ``NlaInputError``."""
-    overrides = list(overrides)
     from nla_grpo.shared.config import load_config
     from nla_grpo.shared.errors import NlaInputError
 
@@ -20,6 +19,8 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
     from nla_grpo.orchestrator.run_dir import RunDir
     from nla_grpo.shared.ray_cluster import check_durable
 
+    overrides = list(overrides)
+    with_steps = overrides + ([f"grpo.steps={steps}"] if steps is not None else [])
     if (resume is None) == (config is None):
         raise NlaInputError("train", "expected either CONFIG.yaml or --resume RUN_DIR")
     if resume is not None:
@@ -27,11 +28,11 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
 
         if run_dir:
             raise NlaInputError("train", "--resume continues the run in its own directory: --run-dir cannot be combined with it")
-        changed = tuple(check_resume_overrides(list(overrides)))
+        changed = tuple(check_resume_overrides(overrides))
         check_durable(resume, given=True)
         run = RunDir.open(resume)
         run.lock()
-        cfg = run.config(list(overrides) + ([f"grpo.steps={steps}"] if steps is not None else []))
+        cfg = run.config(with_steps)
         resume_from = run.loadable_checkpoint(log=lambda m: print(m, flush=True))
         done = int(resume_from.name.removeprefix("step_")) if resume_from is not None else 0
         if cfg.grpo.steps <= done:
@@ -47,8 +48,7 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 1", flush=True)
     else:
-        overrides = list(overrides) + ([f"grpo.steps={steps}"] if steps is not None else [])
-        cfg = absolute_paths(load_config(config, overrides), Path.cwd())
+        cfg = absolute_paths(load_config(config, with_steps), Path.cwd())
         given = run_dir is not None
         run_dir = run_dir or f"runs/{Path(config).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
         check_durable(run_dir, given=given)
