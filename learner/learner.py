@@ -71,7 +71,7 @@ class Learner:
     def planned_tokens(self) -> tuple[int | None, int | None]:
         """(the budget ``micro_batch: auto`` would plan with the memory free now, the one it keeps), both None
         under a fixed micro-batch. The driver asks before the first step, the engines awake, to decide
-        ``rollout.sleep_during_update: auto`` (``shared.config.sleep_pays_for_budget``)."""
+        ``rollout.sleep_during_update: auto`` (``shared.resolve.sleep_at_start``)."""
         if self.cfg.learner.micro_batch != "auto":
             return None, None
         return self.micro_batches.plan_budget(self.params, self.optimizer), self.micro_batch_tokens

@@ -209,9 +209,9 @@ def _config_check(args) -> int:
                                              f"{cfg.placement.mode}, rollout.backend {cfg.rollout.backend}")
         if not 1 <= args.gpu_gib <= 4096:
             raise NlaInputError("--gpu-gib", f"expected a GPU's memory in GiB (1 to 4096), found {args.gpu_gib:g}")
-        plan = plan_colocated(job.services_config(), job.spec, int(args.gpu_gib * (1 << 30)))
+        plan = plan_colocated(job.cfg, job.spec, int(args.gpu_gib * (1 << 30)))
         print(summary(plan.table, plan.total_bytes).replace("[memory] ", ""), file=sys.stderr if args.show else sys.stdout)
-    if args.show:  # as the job resolved it (the critic's structure from its checkpoint); the ok line as a comment
+    if args.show:  # as the job resolved it (shared.resolve); the ok line as a comment
         sys.stdout.write(dump_config(job.cfg) + f"# {ok}\n")  # after it, so the output still loads as the config
     else:
         print(ok)

@@ -23,6 +23,7 @@ from nla_grpo.orchestrator.metrics import StepTimeline, eval_metrics, eval_table
 from nla_grpo.orchestrator.run_dir import RunDir
 from nla_grpo.orchestrator.weight_push import AdapterPush
 from nla_grpo.shared.data import ShuffledOrder, make_order, order_from_state
+from nla_grpo.shared.resolve import evaluates_at_start
 from nla_grpo.shared.types import PromptRequest
 
 TIMING_KEYS = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint", "wall_s", "elapsed_s")
@@ -209,31 +210,13 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     return tmp
 
 
-def evaluates_at_start(cfg) -> bool:
-    """``logging.eval_at_start`` resolved: auto evaluates a run that starts from an adapter or a critic checkpoint."""
-    if not cfg.logging.eval_every:
-        return False
-    if cfg.logging.eval_at_start == "auto":
-        return bool(cfg.learner.adapter_init or cfg.critic.checkpoint)
-    return bool(cfg.logging.eval_at_start)
-
-
 def resolve_sleep(cfg, learner, log=print) -> bool:
-    """``rollout.sleep_during_update: auto`` left to the start (the batch alone does not call for sleeping): decided
-    with the services up and the engines awake, from the micro-batch budget the learner would plan now
-    (``shared.config.sleep_pays_for_budget``); logged once."""
-    from nla_grpo.shared.config import SLEEP_BELOW_GROUPS, least_awake_tokens, sleep_pays_for_budget
+    """``rollout.sleep_during_update: auto`` left to the start: decided by ``shared.resolve.sleep_at_start`` from the
+    micro-batch budget the learner would plan now, with the services up and the engines awake; logged once."""
+    from nla_grpo.shared.resolve import sleep_at_start
 
-    awake, kept = learner.planned_tokens()
-    sleep = sleep_pays_for_budget(cfg, awake, kept)
-    verdict = f"the engines {'sleep' if sleep else 'stay awake'} through the update"
-    if awake is None:
-        log(f"[sleep] auto, fixed micro-batch: {verdict}")
-        return sleep
-    least = least_awake_tokens(cfg)
-    why = (f"less than the {kept:,} it keeps" if kept is not None and kept > awake
-           else f"{'under' if awake < least else 'at least'} {SLEEP_BELOW_GROUPS} groups' responses, {least:,}")
-    log(f"[sleep] auto: with the engines awake the learner's micro-batch would hold {awake:,} tokens ({why}): {verdict}")
+    sleep, line = sleep_at_start(cfg, *learner.planned_tokens())
+    log(line)
     return sleep
 
 

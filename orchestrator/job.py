@@ -45,14 +45,6 @@ class Job:
     evals: list = dataclass_field(default_factory=list)  # the judged evals with their fixed items (evals.tasks)
     judge: object = None  # evals.judges.Judge, made and checked before any actor starts
 
-    def services_config(self) -> RunConfig:
-        """The config the actors get: the run's, with ``rollout.max_prompt_tokens`` (when unset) the longest
-        prompt of the data, so an engine plans its batch and KV cache for the prompts it will see."""
-        if self.cfg.rollout.max_prompt_tokens is not None or not self.prompt_ids:
-            return self.cfg
-        longest = max(len(ids) for ids, _ in self.prompt_ids)
-        return self.cfg.model_copy(update={"rollout": self.cfg.rollout.model_copy(update={"max_prompt_tokens": longest})})
-
 
 # fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
 # (the data's content is checked by its fingerprint instead)
@@ -130,19 +122,18 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
         check_frozen_record(ckpt / FROZEN_RECORD, cfg.critic.checkpoint)
 
 
-def _resolve_critic(cfg: RunConfig, spec) -> RunConfig:
-    """The critic's structure checked against ``critic.checkpoint`` now, before any actor starts, and its
-    unset LoRA settings taken from the checkpoint's meta (then every rule is checked again on them)."""
-    import torch
-
-    from nla_grpo.critic.scoring import critic_architecture
+def _resolve(cfg: RunConfig, prompt_ids, critic_lora) -> RunConfig:
+    """The job-time ``auto`` values (``shared.resolve.resolve_job``) in the config, every rule checked again on them."""
     from nla_grpo.shared.config import build_config
+    from nla_grpo.shared.resolve import resolve_job
 
-    arch = critic_architecture(cfg, spec, torch.float32)
-    if cfg.critic.lora_r is not None and cfg.critic.lora_alpha is not None:
+    longest = max((len(ids) for ids, _ in prompt_ids), default=None)
+    updates = resolve_job(cfg, longest, critic_lora)
+    if not updates:
         return cfg
     raw = cfg.model_dump(mode="python")
-    raw["critic"].update(lora_r=arch.lora_r, lora_alpha=arch.lora_alpha)
+    for section, fields in updates.items():
+        raw[section].update(fields)
     return build_config(raw, "config")
 
 
@@ -186,7 +177,10 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
         if cfg.rollout.lora == "merged" and prequantized(model_dir) is not None:
             raise NlaInputError("config", f"rollout.lora: expected adapter ({model_dir} is saved quantised, and the merged "
                                           f"engine loads the bf16 checkpoint to run the NF4 base dequantised), found merged")
-    cfg = _resolve_critic(cfg, spec)
+    from nla_grpo.critic.scoring import critic_architecture
+
+    # the critic's structure checked against critic.checkpoint now, before any actor starts
+    arch = critic_architecture(cfg, spec, torch.float32)
     if cfg.learner.adapter_init is None:  # an SFT adapter brings its own targets
         check_target_modules(model_dir, cfg.learner.target_modules)
     for field in ("adapter_init", "reference_adapter"):
@@ -230,6 +224,7 @@ def prepare_job(cfg: RunConfig, log=print) -> Job:
     split = "document-disjoint" if cfg.data.eval_skip_rows is None else f"past row {cfg.data.eval_skip_rows}, document-disjoint"
     log(f"[data] {len(train)} training rows, {len(ev)} eval rows ({split}), d={spec.d_model}; "
         f"FVE baseline {rawvar:.4f} (meannorm {meannorm:.4f})")
+    cfg = _resolve(cfg, prompt_ids, (arch.lora_r, arch.lora_alpha))
     evals = []
     if cfg.evals.hallucination.enabled or cfg.evals.karvonen_confusion.enabled:
         from nla_grpo.evals.tasks import build_evals

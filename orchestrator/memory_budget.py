@@ -37,11 +37,11 @@ PHASES = ("rollout", "score", "update", "push", "checkpoint")
 
 def awake_update_bytes(cfg, elem: int) -> int:
     """The learner's working memory for an update beside awake engines: the activations of the smallest micro-batch
-    that keeps them awake (``shared.config.least_awake_tokens``), with the planner's safety factor. Only where the
+    that keeps them awake (``shared.resolve.least_awake_tokens``), with the planner's safety factor. Only where the
     engines cannot sleep through the update (``rollout.sleep_during_update: false``, or an overlapped rollout);
     otherwise ``auto`` puts them to sleep when the learner's room is short."""
     from nla_grpo.learner.memory_plan import SAFETY, config_bytes_per_token
-    from nla_grpo.shared.config import least_awake_tokens, sleep_can_pay
+    from nla_grpo.shared.resolve import least_awake_tokens, sleep_can_pay
 
     ro = cfg.rollout
     if ro.sleep_during_update is True or (ro.sleep_during_update == "auto" and sleep_can_pay(cfg)):
@@ -225,7 +225,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     the engines' KV cache cannot fit or a phase would leave under ``FREE_MARGIN`` free."""
     from nla_grpo.rollout.engine_plan import ENGINE_OVERHEAD_BYTES
     from nla_grpo.rollout.vllm.engine import gpu_plan, weight_bytes
-    from nla_grpo.shared.config import sleep_pays_for_budget
+    from nla_grpo.shared.resolve import sleep_at_start
     from nla_grpo.shared.errors import NlaInputError
     from nla_grpo.shared.torch_utils import resolve_dtype
 
@@ -242,7 +242,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     if ro.sleep_during_update == "auto":  # as the driver decides it at the start: from the learner's awake budget
         awake = {"learner": res.learner, "critic": res.critic, "engines": ro.num_engines * (engine + res.engine_lora)}
         tokens = learner_update_bytes(cfg, elem, total_bytes - sum(awake.values())) // learner_bytes_per_token(cfg, elem)
-        sleeps = sleep_pays_for_budget(cfg, int(tokens))
+        sleeps = sleep_at_start(cfg, int(tokens))[0]
     table = phase_table(cfg, elem, res, engine, total_bytes, sleeps)
     problem = refusal(table, total_bytes)
     if problem:

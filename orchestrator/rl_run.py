@@ -44,7 +44,7 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
             from nla_grpo.orchestrator.job import check_resume
 
             check_resume(resume_from, job.cfg, job, run.path / "config.yaml", changed)
-        run.save_config(cfg)
+        run.save_config(job.cfg)  # the config as resolved (shared.resolve)
         if resume_from is None:
             print(f"[resume] {run.path} has no checkpoint yet: starting from step 1", flush=True)
     else:
@@ -55,7 +55,7 @@ def run_rl(config=None, run_dir=None, resume=None, steps: int | None = None, ove
         RunDir.check_new(run_dir)
         job = prepare_job(cfg)
         _start_judge(job)
-        run = RunDir.create(run_dir, cfg)
+        run = RunDir.create(run_dir, job.cfg)  # the config as resolved (shared.resolve)
         run.lock()
         resume_from = None
     print(f"[run] {run.path}")
@@ -110,7 +110,7 @@ def _run_services(job, run, resume_from) -> int:
         _plan_memory(job, run)
         try:
             asked = time.time()
-            services = start_services(job.services_config(), job.spec)
+            services = start_services(job.cfg, job.spec)
             services.asked_at = asked
         except BaseException as exc:
             from nla_grpo.orchestrator.driver import startup_error
@@ -152,6 +152,6 @@ def _plan_memory(job, run) -> None:
     total = gpu_total_bytes()
     if total is None:
         return
-    plan = plan_colocated(job.services_config(), job.spec, total)
+    plan = plan_colocated(job.cfg, job.spec, total)
     print(summary(plan.table, total), flush=True)
     write_json(run.path / "memory_plan.json", plan.as_json())

@@ -172,7 +172,7 @@ class RolloutConfig(_Section):
     its micro-batches get the engine's share. auto (colocated vLLM without grpo.overlap_rollout; off elsewhere): on
     above ``SLEEP_PAYS_ABOVE`` samples a step or with more than one engine, and, with learner.micro_batch auto, also
     when the micro-batch the learner would plan with the engines awake holds fewer than ``SLEEP_BELOW_GROUPS`` groups'
-    responses, decided once the services are up (``sleep_pays_for_budget``)."""
+    responses, decided once the services are up (``shared.resolve``)."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Extra ``vllm.LLM`` keyword arguments, applied last (expert use: e.g. ``enforce_eager: false`` on the CPU,
     ``enable_chunked_prefill``, ``max_num_batched_tokens``); names vLLM does not know are refused."""
@@ -554,77 +554,18 @@ class RunConfig(_Section):
         """Settings that validate one by one but cannot work together, or that placement cannot honour (every
         one of ``CROSS_FIELD_RULES`` the config breaks, a line each; the context ``{"rules": False}`` skips
         them, for their tests); then ``weight_sync: auto`` becomes the variant the placement calls for."""
-        if self.rollout.lora == "auto":
-            self.rollout.lora = lora_route(self)
+        from nla_grpo.shared.resolve import resolve_config
+
+        resolve_config(self, after_rules=False)
         problems = cross_field_problems(self) if (info.context or {}).get("rules", True) else []
         if problems:
             raise ValueError("\n".join(problems))
-        if self.weight_sync.kind == "auto":
-            self.weight_sync = {"colocated": CudaIpcSync, "split": BroadcastSync}.get(self.placement.mode, HostSync)()
-        # auto: the batch decides where it can (or where there is no budget to measure); else the start does
-        if self.rollout.sleep_during_update == "auto" and (
-                sleep_pays(self) or not sleep_can_pay(self) or self.learner.micro_batch != "auto"):
-            self.rollout.sleep_during_update = sleep_pays(self)
+        resolve_config(self, after_rules=True)
         return self
-
-
-def lora_route(cfg) -> str:
-    """``rollout.lora: auto``: merged where a vLLM engine on a GPU can merge (``merged_needs_one_vllm_engine_per_gpu``;
-    not a checkpoint saved quantised, whose bf16 weights the merged engine would need), adapter elsewhere."""
-    from nla_grpo.shared.model_facts import saved_quantization
-
-    r = cfg.rollout
-    saved_quantised = saved_quantization(cfg.model.path) is not None
-    can_merge = (r.backend == "vllm" and cfg.placement.mode != "cpu" and r.tensor_parallel_size == 1
-                 and not cfg.weight_sync.registers_from_directory and not saved_quantised)
-    return "merged" if can_merge else "adapter"
 
 
 COLOCATED_MAX_ENGINES = 4
 """Engines one shared GPU holds at most: four copies of an 8B model's weights take 66 GB, about half of a 141 GB card."""
-
-SLEEP_PAYS_ABOVE = 512
-"""Samples per step above which sleeping a colocated engine through the update pays on a 141 GB card (8B shape):
-at 128 x 8 the learner's micro-batch more than doubles and the update saves about ten times the sleep and wake-up's
-cost; at 64 x 8 the two are about even."""
-
-SLEEP_BELOW_GROUPS = 4
-"""``sleep_during_update: auto`` with ``learner.micro_batch: auto``: besides where ``sleep_pays`` says so, the engines
-sleep through the update when the micro-batch the learner would plan with them awake holds fewer than this many
-groups' responses. On an 80 GB card (8B shape) 64 x 8 awake plans the 512-token floor, and its update is several times
-slower than asleep; on a 141 GB card the same batch plans six groups awake, and at four groups sleeping is about
-even."""
-
-
-def least_awake_tokens(cfg) -> int:
-    """The smallest awake micro-batch budget that keeps the engines awake: ``SLEEP_BELOW_GROUPS`` groups' responses."""
-    return SLEEP_BELOW_GROUPS * cfg.rollout.group_size * cfg.rollout.max_new_tokens
-
-
-def sleep_can_pay(cfg) -> bool:
-    """Whether sleeping can be chosen at all: colocated vLLM engines, no rollout overlapping the update."""
-    return cfg.placement.mode == "colocated" and cfg.rollout.backend == "vllm" and not cfg.grpo.overlap_rollout
-
-
-def sleep_pays(cfg) -> bool:
-    """``rollout.sleep_during_update: auto``'s batch rule, known from the config alone: where sleeping can pay, a batch
-    above ``SLEEP_PAYS_ABOVE`` samples or more than one engine. Two engines hold two copies of the weights through the
-    update: at 64 x 8 that leaves the learner about the 4,096-token budget that made the awake 128 x 8 update
-    30% slower than the asleep one (estimated from those figures, not run)."""
-    return sleep_can_pay(cfg) and (cfg.grpo.prompts_per_step * cfg.rollout.group_size > SLEEP_PAYS_ABOVE
-                                   or cfg.rollout.num_engines > 1)
-
-
-def sleep_pays_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> bool:
-    """``rollout.sleep_during_update: auto`` resolved once the services are up. ``awake_tokens``: the micro-batch
-    budget the learner would plan now, with the engines awake (None: it plans none); ``kept_tokens``: the budget it
-    already holds (a resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``), and
-    also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses
-    or less than the kept one."""
-    if sleep_pays(cfg) or not sleep_can_pay(cfg) or awake_tokens is None:
-        return sleep_pays(cfg)
-    return (kept_tokens is not None and kept_tokens > awake_tokens) or awake_tokens < least_awake_tokens(cfg)
-
 
 def critic_rank(critic: CriticConfig) -> int | None:
     """The critic's LoRA rank as configured: None when it is critic.checkpoint's, not known until that is read."""

@@ -18,8 +18,16 @@ HEADER = """# Configuration reference
 
 Every field of a run config (`nla-grpo train CONFIG.yaml`, the `config:` of a pipeline file), section by section,
 with its type, its default and what it does. Written from the schema (`shared/config.py`) by
-`python -m nla_grpo.shared.config_reference`; a test keeps it equal to the code. `nla-grpo config check CONFIG --show` prints
-a config with every default filled in, `auto` values resolved where the config alone decides them.
+`python -m nla_grpo.shared.config_reference`; a test keeps it equal to the code.
+
+`auto` becomes a value in one module, `shared/resolve.py`: with the config (`rollout.lora`, `weight_sync.kind`, and
+`rollout.sleep_during_update` where the batch decides it), and once the model and data are read
+(`rollout.vector_input`, `rollout.max_prompt_tokens`, `logging.eval_at_start`, the critic's LoRA from its checkpoint).
+A run directory's `config.yaml` is the config after both, and `nla-grpo config check CONFIG --show` prints the same.
+What stays `auto` there is a policy applied as the run goes: `learner.micro_batch` (each update sized from the memory
+free then), `rollout.gpu_memory_utilization` and `rollout.max_num_seqs` (the memory plan, per card), the learner's
+`optimizer`, `kernels` and `attention`, `model.dtype` (per device), and `rollout.sleep_during_update` where the batch
+does not decide it (decided at the start from the learner's awake micro-batch, and logged).
 """
 
 

@@ -20,7 +20,13 @@ def test_a_good_config_is_one_ok_line_and_show_prints_it_resolved(tiny_dir):
     resolved = build_config(yaml.safe_load(res.stdout), "stdout")
     assert resolved.grpo.steps == 7 and resolved.model.path == str(tiny_dir / "model")
     want = load_config(ROOT / "deploy/tiny.yaml", ["grpo.steps=7"])
-    assert resolved.learner == want.learner and resolved.rollout == want.rollout
+    assert resolved.learner.model_dump() == want.learner.model_dump()
+    # the job-time auto values (shared.resolve) come resolved, and nothing else of the section moves
+    assert want.rollout.vector_input == "auto" and resolved.rollout.vector_input == "prompt_embeds"  # the CPU engines
+    assert want.rollout.max_prompt_tokens is None and 8 < resolved.rollout.max_prompt_tokens < 200  # the longest prompt
+    assert want.logging.eval_at_start == "auto" and resolved.logging.eval_at_start is False  # a start from scratch
+    changed = {k for k, v in resolved.rollout.model_dump().items() if v != want.rollout.model_dump()[k]}
+    assert changed == {"vector_input", "max_prompt_tokens"}
     assert "Traceback" not in res.stderr
 
 

@@ -188,7 +188,7 @@ def test_auto_vector_input_takes_the_multimodal_route_only_where_it_has_run_on_a
     import json
     import shutil
 
-    from nla_grpo.rollout.vllm.engine import vector_input
+    from nla_grpo.shared.resolve import vector_input
     from nla_grpo.shared.config import build_config
 
     model = {"path": str(tiny_dir / "model")}

@@ -19,6 +19,7 @@ from nla_grpo.rollout.engine import RolloutEngine, SampleBuilder, check_request,
 from nla_grpo.rollout.vllm.patches import sampled_logprobs
 from nla_grpo.shared.config import VLLM_LORA_RANKS as LORA_RANKS
 from nla_grpo.shared.errors import NlaInputError
+from nla_grpo.shared.resolve import vector_input
 from nla_grpo.shared.types import AdapterUpdate, PromptRequest, Sample
 
 
@@ -57,23 +58,6 @@ def checkpoint_overrides(cfg, overrides, marker_id: int) -> dict:
         return overrides(archs[0], marker_id)
     except ValueError as exc:
         raise NlaInputError(path, str(exc)) from None
-
-
-def vector_input(cfg) -> str:
-    """``rollout.vector_input`` resolved: ``auto`` is ``multimodal`` where that route has run on a GPU (the
-    colocated placement in embed mode, on a Qwen3 checkpoint) and ``prompt_embeds`` elsewhere:
-    the split placement's NCCL push into a V2-runner engine has not run on a GPU, karvonen mode on the route has
-    passed its GPU parity test but no GPU job yet, and the CPU engines run what the demo and tests were measured on."""
-    ro = cfg.rollout
-    if ro.vector_input != "auto":
-        return ro.vector_input
-    if ro.backend != "vllm" or cfg.placement.mode != "colocated" or cfg.injection.mode != "embed":
-        return "prompt_embeds"
-    from nla_grpo.rollout.vllm.marker_input import ARCHITECTURES
-    from nla_grpo.shared.model_facts import architectures
-
-    archs = architectures(model_dir(cfg))
-    return "multimodal" if archs[:1] and archs[0] in ARCHITECTURES else "prompt_embeds"
 
 
 def karvonen_overrides(cfg, marker_id: int) -> dict:

@@ -17,7 +17,8 @@ them all and registers their input processor with vLLM.
 """
 from __future__ import annotations
 
-ARCHITECTURES = ("Qwen3ForCausalLM",)
+from nla_grpo.shared.resolve import MARKER_INPUT_ARCHITECTURES as ARCHITECTURES  # rollout.vector_input: auto reads it too
+
 PREFIX = "NlaMarkerInput"
 KARVONEN = "NlaKarvonen"  # rollout.vllm.karvonen.PREFIX (not imported: this module loads without torch)
 CLASS_NAMES = tuple(PREFIX + inner + arch for arch in ARCHITECTURES for inner in ("", KARVONEN))
