@@ -98,14 +98,17 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
         return out
 
     saved = state.config
+    facts = (getattr(job, "prompt_ids", None) or [], (cfg.critic.lora_r, cfg.critic.lora_alpha))
+    cfg = _resolve(cfg, *facts)  # a no-op on the job's config, which prepare_job resolved
     if saved is not None:
         from nla_grpo.shared.config import upgrade_saved_config
 
         saved = upgrade_saved_config(saved)  # written by an older version: compared as it would read now
-        try:  # fields added since then take their defaults, as the older version behaved
+        try:  # fields added since then take their defaults, as the older version behaved, and auto is resolved
             from nla_grpo.shared.config import build_config
 
-            saved = build_config(saved, str(where)).model_dump(mode="json")
+            # with this job's facts, as the run resolved it (a config saved before shared.resolve kept auto)
+            saved = _resolve(build_config(saved, str(where)), *facts).model_dump(mode="json")
         except NlaInputError:
             pass  # no longer valid as a whole: compared field by field as written
         now, then = flat(cfg.model_dump(mode="json")), flat(saved)

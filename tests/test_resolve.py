@@ -81,3 +81,27 @@ def test_config_time_values_come_resolved_from_every_load(tiny_dir, field):
     cfg = build_config({"model": {"path": str(tiny_dir / "model")}, "placement": {"mode": "cpu"}})
     section, key = field.split(".")
     assert getattr(getattr(cfg, section), key) != "auto"
+
+
+def test_a_checkpoint_saved_with_auto_resumes_under_the_resolved_config(tiny_dir, tmp_path):
+    """A run whose checkpoint recorded ``auto`` (before the job resolved it) resumes: its config is resolved with
+    this job's facts before the comparison; a value it did fix is still compared."""
+    import json
+    from types import SimpleNamespace
+
+    from nla_grpo.orchestrator.job import _resolve, check_resume
+    from nla_grpo.shared.errors import NlaInputError
+
+    raw = {"model": {"path": str(tiny_dir / "model")}, "placement": {"mode": "cpu"}}
+    prompts = [([1] * 30, None), ([1] * 41, None)]
+    now = _resolve(build_config(raw), prompts, (None, None))
+    assert now.rollout.vector_input == "prompt_embeds" and now.rollout.max_prompt_tokens == 41
+    ckpt = tmp_path / "step_000002"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "config": build_config(raw).model_dump(mode="json")}))
+    job = SimpleNamespace(data_fingerprint=None, prompt_ids=prompts)
+    check_resume(ckpt, now, job, tmp_path / "config.yaml")
+    fixed = build_config({**raw, "rollout": {"max_prompt_tokens": 64}}).model_dump(mode="json")
+    (ckpt / "state.json").write_text(json.dumps({"step": 2, "config": fixed}))
+    with pytest.raises(NlaInputError, match=r"rollout.max_prompt_tokens: 64 when the checkpoint was written, 41 now"):
+        check_resume(ckpt, now, job, tmp_path / "config.yaml")
