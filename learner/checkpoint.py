@@ -21,7 +21,7 @@ CHECKPOINT_FORMAT = 1
 STATE_FILE = "learner_state.json"
 OPTIMIZER_TENSORS, OPTIMIZER_META = "optimizer.safetensors", "optimizer.json"
 RNG_FILE = "rng.safetensors"
-POLICY_DIR, REFERENCE_DIR = "policy", "reference"
+POLICY_ADAPTER_DIR, REFERENCE_DIR = "policy", "reference"  # the two adapters inside a learner checkpoint
 REFERENCE_RECORD = "reference.json"  # where a checkpoint points at the run's frozen reference adapter
 
 
@@ -57,7 +57,7 @@ def save(learner, directory, reference: str | None = None) -> Path:
     from nla_grpo.shared.fileio import atomic_directory, capture_rng, save_optimizer, save_tensors, write_reference
 
     with atomic_directory(directory) as tmp:
-        save_adapter(learner, POLICY, tmp / POLICY_DIR)
+        save_adapter(learner, POLICY, tmp / POLICY_ADAPTER_DIR)
         if reference is None:
             save_adapter(learner, REFERENCE, tmp / REFERENCE_DIR)
         else:
@@ -117,7 +117,7 @@ def load(learner, directory) -> None:
     state = read_state(d, learner.cfg.injection.mode)
     # first: it checks that the saved parameters are this adapter's before anything is overwritten
     load_optimizer(d, learner.optimizer, learner.param_names, OPTIMIZER_TENSORS, OPTIMIZER_META, what="policy adapter")
-    _load_adapter(learner, POLICY, d / POLICY_DIR / ADAPTER_FILE)
+    _load_adapter(learner, POLICY, d / POLICY_ADAPTER_DIR / ADAPTER_FILE)
     # the reference is the run's initial adapter: restored from the checkpoint (a copy, or the frozen
     # file its record points at, checked against its SHA-256), never trained
     if (d / REFERENCE_DIR).is_dir():

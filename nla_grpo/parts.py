@@ -103,9 +103,12 @@ def _run_parts(run: Path, source: str) -> NlaParts:
     if ckpt is None:
         raise NlaInputError(run / "checkpoints", "no checkpoint yet (train the run first, or pass an adapter and a critic)")
     cfg = rd.config()
-    adapter = ckpt / "policy" / "policy"
-    if not (adapter / "adapter_config.json").is_file():
-        raise NlaInputError(ckpt, "policy/policy/adapter_config.json: missing (no verbaliser adapter in the checkpoint)")
+    from nla_grpo.orchestrator.checkpoint import policy_adapter
+    from nla_grpo.shared.adapter import ADAPTER_CONFIG
+
+    adapter = policy_adapter(ckpt)
+    if not (adapter / ADAPTER_CONFIG).is_file():
+        raise NlaInputError(ckpt, f"{(adapter / ADAPTER_CONFIG).relative_to(ckpt)}: missing (no verbaliser adapter in the checkpoint)")
     spec = _spec_for(cfg)
     critic = _checkpoint_critic(ckpt, cfg)
     # the co-trained critic of this checkpoint, not the one the run started from

@@ -17,7 +17,7 @@ from nla_grpo.orchestrator.groups import RankFailure
 from nla_grpo.orchestrator.health import HealthWatch, empty_share
 from nla_grpo.orchestrator.job import Job
 from nla_grpo.learner.reward import explanation_for, rewards_for
-from nla_grpo.orchestrator.checkpoint import CRITIC_DIR, POLICY_DIR, RunState
+from nla_grpo.orchestrator.checkpoint import CRITIC_DIR, LEARNER_DIR, RunState
 from nla_grpo.orchestrator.rollout_feed import RolloutFeed, rollout, step_seed
 from nla_grpo.orchestrator.metrics import StepTimeline, eval_metrics, eval_table, judged_tables, pareto_chart, sample_metrics
 from nla_grpo.orchestrator.run_dir import RunDir
@@ -201,9 +201,9 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     if by_reference:
         if not run.frozen_reference.is_dir():
             services.learner.save_reference(str(run.frozen_reference))
-        services.learner.save(str(tmp / POLICY_DIR), str(run.frozen_reference))
+        services.learner.save(str(tmp / LEARNER_DIR), str(run.frozen_reference))
     else:
-        services.learner.save(str(tmp / POLICY_DIR))
+        services.learner.save(str(tmp / LEARNER_DIR))
     feed.save(tmp)
     # the config and the data it was written with: resume refuses to continue on anything else
     RunState(step, order.state(), version, cfg.model_dump(mode="json"), job.data_fingerprint).write(tmp)
@@ -239,7 +239,7 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             state = RunState.read(resume_from)
             if (resume_from / CRITIC_DIR).is_dir():  # else a frozen critic: the one the config built (checked at start-up)
                 services.critic.load(str(resume_from / CRITIC_DIR))
-            services.learner.load(str(resume_from / POLICY_DIR))
+            services.learner.load(str(resume_from / LEARNER_DIR))
             order = order_from_state(state.order)
             start = state.step
             log(f"[resume] from {resume_from}: {start} steps done, continuing with step {start + 1}")

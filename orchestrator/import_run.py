@@ -173,9 +173,9 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
 
     from nla_grpo.critic.checkpoint import FROZEN_RECORD, META_NAME, WEIGHTS_NAME, write_frozen_record
     from nla_grpo.critic.import_reference import import_reference_ar
-    from nla_grpo.learner.checkpoint import OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_DIR, REFERENCE_RECORD, RNG_FILE, write_state
+    from nla_grpo.learner.checkpoint import OPTIMIZER_META, OPTIMIZER_TENSORS, POLICY_ADAPTER_DIR, REFERENCE_RECORD, RNG_FILE, write_state
     from nla_grpo.orchestrator.checkpoint import CRITIC_DIR, RunState
-    from nla_grpo.orchestrator.checkpoint import POLICY_DIR as LEARNER_DIR
+    from nla_grpo.orchestrator.checkpoint import LEARNER_DIR
     from nla_grpo.orchestrator.job import absolute_paths, prepare_job
     from nla_grpo.shared.config import build_config, dump_config, load_config
     from nla_grpo.shared.data import ReferenceOrder
@@ -231,9 +231,9 @@ def _write_run(iter_dir: Path, av_sft: Path, config, run: Path, overrides: list[
     notes += more
     ckpt = run / "checkpoints" / f"step_{step:06d}"
     policy = ckpt / LEARNER_DIR
-    (policy / POLICY_DIR).mkdir(parents=True)
+    (policy / POLICY_ADAPTER_DIR).mkdir(parents=True)
     for name in ADAPTER_FILES:
-        shutil.copy2(imported / "policy" / name, policy / POLICY_DIR / name)
+        shutil.copy2(imported / "policy" / name, policy / POLICY_ADAPTER_DIR / name)
     frozen = run / "frozen" / "reference"
     _copy_adapter(imported / "av_sft", frozen)
     write_reference(policy / REFERENCE_RECORD, frozen, list(ADAPTER_FILES))

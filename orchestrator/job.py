@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from nla_grpo.orchestrator.checkpoint import RESUME_RULES
 from nla_grpo.shared.config import RunConfig
 from nla_grpo.shared.errors import NlaInputError
 
@@ -46,13 +47,10 @@ class Job:
     judge: object = None  # evals.judges.Judge, made and checked before any actor starts
 
 
-# fields a resumed run may change: how long it runs, what it logs and keeps, where its files live
-# (the data's content is checked by its fingerprint instead)
-RESUME_MAY_CHANGE = ("grpo.steps", "logging.", "sft.", "evals.", "checkpointing.", "model.path", "data.parquet", "data.sidecar",
-                     "critic.checkpoint", "learner.adapter_init", "learner.reference_adapter")
-# what `train --resume --set` may change on purpose: the above, and the learning rates (the run then
-# continues with the new rate from the checkpoint on; editing config.yaml by hand is still refused)
-SET_ON_RESUME = RESUME_MAY_CHANGE + ("learner.lr", "critic.lr")
+# what `train --resume --set` may change on purpose: what a resume may change (orchestrator.checkpoint.RESUME_RULES),
+# and the learning rates (the run then continues with the new rate from the checkpoint on; editing config.yaml by hand
+# is still refused)
+SET_ON_RESUME = RESUME_RULES["rl"].may_change + ("learner.lr", "critic.lr")
 
 
 def check_resume_overrides(overrides: list[str]) -> list[str]:
@@ -87,15 +85,9 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
     ``changed``: fields this resume's ``--set`` changes on purpose."""
     from nla_grpo.critic.checkpoint import FROZEN_RECORD, check_frozen_record
 
-    from nla_grpo.orchestrator.checkpoint import RunState
+    from nla_grpo.orchestrator.checkpoint import RunState, config_change
 
     state = RunState.read(ckpt)
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
 
     saved = state.config
     facts = (getattr(job, "prompt_ids", None) or [], (cfg.critic.lora_r, cfg.critic.lora_alpha))
@@ -111,11 +103,11 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
             saved = _resolve(build_config(saved, str(where)), *facts).model_dump(mode="json")
         except NlaInputError:
             pass  # no longer valid as a whole: compared field by field as written
-        now, then = flat(cfg.model_dump(mode="json")), flat(saved)
-        for key in sorted(set(now) | set(then)):
-            if not key.startswith(RESUME_MAY_CHANGE) and key not in changed and now.get(key) != then.get(key):
-                raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
-                                           "a resumed run continues exactly, so it cannot change (start a new run instead)")
+        change = config_change("rl", saved, cfg.model_dump(mode="json"), changed)
+        if change:
+            key, then, now = change
+            raise NlaInputError(where, f"{key}: {then!r} when the checkpoint was written, {now!r} now; "
+                                       "a resumed run continues exactly, so it cannot change (start a new run instead)")
     data = state.data
     if data is not None and job.data_fingerprint is not None and data != job.data_fingerprint:
         changed = [k for k in data if data.get(k) != job.data_fingerprint.get(k)]

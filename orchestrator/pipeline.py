@@ -338,8 +338,12 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
     paths = [f"model.path={model}", f"data.parquet={data / 'rl.parquet'}", "data.sidecar=null"]
     sets = [f"seed={cfg.seed}"] + list(cfg.set)  # the pipeline's seed, unless its `set` names another
     config = rel(cfg.config)
-    products = {"av": out / "sft_av" / "adapter" / "adapter_config.json", "ar": out / "sft_ar" / "critic" / "critic_meta.json"}
+    from nla_grpo.critic.checkpoint import META_NAME
+    from nla_grpo.orchestrator.run_dir import RunDir
     from nla_grpo.orchestrator.sft_run import done_line, run_sft
+    from nla_grpo.shared.adapter import ADAPTER_CONFIG
+
+    products = {stage: RunDir(out / f"sft_{stage}", stage).product / name for stage, name in (("av", ADAPTER_CONFIG), ("ar", META_NAME))}
 
     for stage in ("av", "ar"):
         run = out / f"sft_{stage}"
@@ -348,7 +352,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
             print(f"[pipeline] sft {stage}: {products[stage].parent} is there, skipped", flush=True)
             records.done(f"sft_{stage}", READS[f"sft_{stage}"], ran=False)
             continue
-        if (run / "checkpoints").is_dir() and any((run / "checkpoints").glob("step_*")):
+        if RunDir(run, stage).list_checkpoints():
             _announce(f"sft {stage}", f"{run} continued from its last checkpoint")
             last = run_sft(stage, None, None, str(run), None, [], log=_log)
         else:
@@ -366,9 +370,7 @@ def _run(cfg: PipelineConfig, here: Path, out: Path, records: StageRecords) -> i
               "critic.lora_r=null", "critic.lora_alpha=null"]
     from nla_grpo.orchestrator.rl_run import run_rl
 
-    if (rl / "checkpoints").is_dir() and any((rl / "checkpoints").glob("step_*")):
-        from nla_grpo.orchestrator.run_dir import RunDir
-
+    if RunDir(rl).list_checkpoints():
         records.check_inputs("rl", rl, READS["rl"])
         last = RunDir(rl).latest_checkpoint()
         want = cfg.train.steps or RunDir.open(rl).config().grpo.steps

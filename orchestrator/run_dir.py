@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from nla_grpo.orchestrator.checkpoint import checkpoint_problem, is_checkpoint
+from nla_grpo.orchestrator.checkpoint import checkpoint_problem, is_checkpoint, required_parts
 from nla_grpo.shared.config import RunConfig, build_config, dump_config, read_yaml_file, upgrade_saved_config
 from nla_grpo.shared.errors import NlaInputError
 from nla_grpo.shared.fileio import jsonable, write_text
@@ -26,12 +26,19 @@ def _json_safe(obj):
     return jsonable(obj, nonfinite=None)
 
 
+PRODUCT_DIR = {"av": "adapter", "ar": "critic"}  # what a finished SFT stage leaves beside its checkpoints
+
+
 class RunDir:
-    required_parts: tuple | None = None  # what a loadable checkpoint of this kind of run holds; None: an RL run's
+    """One run's directory, of any stage (``orchestrator.checkpoint.STAGES``)."""
+
     current: Path | None = None  # the run this process created or opened last: the CLI's resume hints name it
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, stage: str = "rl"):
         self.path = Path(path)
+        self.stage = stage
+        # an SFT stage's product (adapter/ or critic/), written atomically at its end
+        self.product = self.path / PRODUCT_DIR[stage] if stage in PRODUCT_DIR else None
         self.metrics = self.path / "metrics.jsonl"
         self.samples = self.path / "samples.jsonl"
         self.timeline = self.path / "timeline.jsonl"  # when each step's phases ran (unix times)
@@ -51,8 +58,8 @@ class RunDir:
             raise NlaInputError(path, "run directory exists and is not empty (use --resume to continue it)")
 
     @classmethod
-    def create(cls, path: str | Path, cfg: RunConfig) -> "RunDir":
-        run = cls(path)
+    def create(cls, path: str | Path, cfg: RunConfig, stage: str = "rl") -> "RunDir":
+        run = cls(path, stage)
         cls.check_new(run.path)
         try:
             run.checkpoints.mkdir(parents=True, exist_ok=True)
@@ -63,8 +70,8 @@ class RunDir:
         return run
 
     @classmethod
-    def open(cls, path: str | Path) -> "RunDir":
-        run = cls(path)
+    def open(cls, path: str | Path, stage: str = "rl") -> "RunDir":
+        run = cls(path, stage)
         if not (run.path / "config.yaml").is_file():
             raise NlaInputError(run.path, "not a run directory (no config.yaml)")
         RunDir.current = run.path
@@ -161,8 +168,8 @@ class RunDir:
 
     def checkpoint_problem(self, ckpt: Path) -> str | None:
         """Why ``ckpt`` cannot be loaded, or None (``orchestrator.checkpoint.checkpoint_problem`` with this
-        kind of run's parts)."""
-        return checkpoint_problem(ckpt, self.required_parts)
+        stage's parts)."""
+        return checkpoint_problem(ckpt, required_parts(self.stage))
 
     def loadable_checkpoint(self, log=print) -> Path | None:
         """The newest checkpoint that is complete and loadable; damaged ones are skipped and named."""

@@ -12,7 +12,6 @@ straight run ends with.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,27 +19,7 @@ from pathlib import Path
 from nla_grpo.orchestrator.run_dir import RunDir
 from nla_grpo.shared.errors import NlaInputError
 
-PRODUCT = {"av": "adapter", "ar": "critic"}
 STAGE_NAME = {"av": "AV-SFT", "ar": "AR-SFT"}
-# what a stage's result depends on: a resume that changes any of these is refused (steps and the
-# cadences may change; files may move)
-DEPENDS = {"av": ("seed", "model.dtype", "model.quantization", "injection.", "prompts.", "learner.", "rollout.prefill",
-                  "rollout.extra_stop_tokens", "data.eval_fraction", "data.max_rows", "sft.av.lr", "sft.av.warmup_steps",
-                  "sft.av.schedule", "sft.av.epochs", "sft.av.batch_tokens", "placement.learner_workers"),
-           "ar": ("seed", "model.dtype", "model.quantization", "critic.num_layers", "critic.lora_r", "critic.lora_alpha",
-                  "critic.add_bos", "critic.optimizer", "critic.max_grad_norm", "critic.micro_batch", "critic.max_prompt_tokens",
-                  "data.eval_fraction", "data.max_rows", "sft.ar.lr", "sft.ar.warmup_steps", "sft.ar.schedule",
-                  "sft.ar.epochs", "sft.ar.batch_tokens", "placement.critic_workers")}
-
-
-class SftRunDir(RunDir):
-    """A run directory whose checkpoints hold one stage's ranks (``model/``) instead of the RL services."""
-
-    def __init__(self, path, stage: str):
-        super().__init__(path)
-        self.stage = stage
-        self.required_parts = ("state.json", "model/learner_state.json" if stage == "av" else "model/critic_meta.json")
-        self.product = self.path / PRODUCT[stage]
 
 
 def explained_split(cfg, stage: str) -> Path:
@@ -211,40 +190,23 @@ class StagePlan:
 
 
 # ---- resume -----------------------------------------------------------------------------------------
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def check_stage(run: SftRunDir) -> None:
-    """A run directory of the other stage is named as such (before its checkpoints are looked for)."""
-    for ckpt in reversed(run.list_checkpoints()):
-        try:
-            got = json.loads((ckpt / "state.json").read_text()).get("stage")
-        except (OSError, ValueError):
-            continue
-        if got != run.stage:
-            raise NlaInputError(run.path, f"a run directory of `sft {got}`, not of `sft {run.stage}`")
-        return
-
-
 def check_resume(ckpt: Path, cfg, stage: str, data: SftData, total: int) -> int:
     """The checkpoint's step, after refusing (one line naming the field) a config, data or step count the
-    stage cannot continue exactly with."""
-    where = ckpt / "state.json"
-    state = json.loads(where.read_text())
-    if state.get("stage") != stage:
-        raise NlaInputError(where, f"stage: the checkpoint is {state.get('stage')!r}'s, this is {stage!r}")
-    now, then = _flat(cfg.model_dump(mode="json")), _flat(state.get("config", {}))
-    for key in sorted(set(now) | set(then)):
-        if key.startswith(DEPENDS[stage]) and now.get(key) != then.get(key):
-            raise NlaInputError(where, f"{key}: {then.get(key)!r} when the checkpoint was written, {now.get(key)!r} now; "
-                                       "a resumed stage continues exactly")
-    if state.get("data") != data.job.data_fingerprint:
+    stage cannot continue exactly with (``orchestrator.checkpoint.RESUME_RULES``)."""
+    from nla_grpo.orchestrator.checkpoint import STATE_FILE, RunState, config_change
+
+    where = ckpt / STATE_FILE
+    state = RunState.read(ckpt)
+    if state.stage != stage:
+        raise NlaInputError(where, f"stage: the checkpoint is {state.stage!r}'s, this is {stage!r}")
+    change = config_change(stage, state.config or {}, cfg.model_dump(mode="json"))
+    if change:
+        key, then, now = change
+        raise NlaInputError(where, f"{key}: {then!r} when the checkpoint was written, {now!r} now; "
+                                   "a resumed stage continues exactly")
+    if state.data != data.job.data_fingerprint:
         raise NlaInputError(where, "the explained split differs from the one the checkpoint was trained on")
-    step, planned = int(state["step"]), int(state.get("total", total))
+    step, planned = state.step, state.total if state.total is not None else total
     if total < step:
         raise NlaInputError(where, f"already at step {step}: sft.{stage}.steps {total} would go back (pass --steps N with N >= {step})")
     schedule = getattr(cfg.sft, stage).schedule
@@ -256,13 +218,13 @@ def check_resume(ckpt: Path, cfg, stage: str, data: SftData, total: int) -> int:
 
 
 # ---- the loop -----------------------------------------------------------------------------------------
-def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, group, start: int,
+def run_stage(stage: str, cfg, run: RunDir, data: SftData, plan: StagePlan, group, start: int,
               resume_from: Path | None, log=print) -> dict:
     import shutil
     import numpy as np
 
+    from nla_grpo.orchestrator.checkpoint import RANKS_DIR, RunState
     from nla_grpo.sft.plan import lr_at
-    from nla_grpo.shared.fileio import write_json
 
     s = getattr(cfg.sft, stage)
     job, total = data.job, plan.total
@@ -283,14 +245,13 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
 
     def checkpoint(step: int) -> None:
         tmp = run.checkpoint_tmp(step)
-        group.save(str(tmp / "model"))
-        write_json(tmp / "state.json", {"stage": stage, "step": step, "total": total, "config": cfg.model_dump(mode="json"),
-                                        "data": job.data_fingerprint})
+        group.save(str(tmp / RANKS_DIR))
+        RunState(step, config=cfg.model_dump(mode="json"), data=job.data_fingerprint, stage=stage, total=total).write(tmp)
         run.commit_checkpoint(tmp, step, cfg.checkpointing.keep_last)
 
     # ---- resume or start ----------------------------------------------------------------------------
     if resume_from is not None:
-        group.call_each("load", str(resume_from / "model"))
+        group.call_each("load", str(resume_from / RANKS_DIR))
         run.truncate_logs(start)
         log(f"[resume] {name} from {resume_from.name} (step {start} of {total})")
     else:
@@ -335,81 +296,45 @@ def run_stage(stage: str, cfg, run: SftRunDir, data: SftData, plan: StagePlan, g
 # ---- the command --------------------------------------------------------------------------------------
 def run_sft(stage: str, config: str | None, run_dir: str | None, resume: str | None, steps: int | None,
             overrides: list[str], log=print) -> dict:
-    """``nla-grpo sft av|ar``: a new stage in ``run_dir``, or the one in ``resume`` continued. Everything
-    that can be checked (config, data, the plan, a resume's agreement with its checkpoint) is checked
-    before any actor starts; a new run that fails before its first checkpoint leaves no directory."""
-    import shutil
-
-    from nla_grpo.orchestrator.job import absolute_paths
+    """``nla-grpo sft av|ar``: a new stage in ``run_dir``, or the one in ``resume`` continued, through the one run
+    lifecycle (``orchestrator.lifecycle``). Everything that can be checked (config, data, the plan, a resume's
+    agreement with its checkpoint) is checked before any actor starts."""
+    from nla_grpo.orchestrator.lifecycle import open_run, write_run_plots
     from nla_grpo.orchestrator.placement import check_run_dir_visible
-    from nla_grpo.shared.config import load_config
     from nla_grpo.shared.ray_cluster import start_ray
 
-    sets = list(overrides) + ([f"sft.{stage}.steps={steps}"] if steps is not None else [])
-    if (resume is None) == (config is None):
-        raise NlaInputError(f"sft {stage}", "expected either CONFIG.yaml or --resume RUN_DIR")
-    # ---- the run directory and its config ---------------------------------------------------------
-    from nla_grpo.shared.ray_cluster import check_durable
-
-    if resume is not None:
-        if run_dir:
-            raise NlaInputError(f"sft {stage}", "--resume continues the stage in its own directory: no --run-dir with it")
-        check_durable(resume, given=True)
-        run = SftRunDir(RunDir.open(resume).path, stage)
-        run.lock()
-        check_stage(run)
-        cfg = run.config(sets)
-        resume_from = run.loadable_checkpoint(log=log)
-        if resume_from is None:
-            log(f"[resume] {run.path} has no checkpoint yet: starting from step 0")
-    else:
-        cfg = absolute_paths(load_config(config, sets), Path.cwd())
-        given = run_dir is not None
-        run_dir = run_dir or f"runs/{Path(config).stem}-sft-{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
-        check_durable(run_dir, given)
-        RunDir.check_new(run_dir)
-        resume_from = None
+    start = open_run(stage, config, run_dir, resume, list(overrides) + ([f"sft.{stage}.steps={steps}"] if steps is not None else []),
+                     log=log)
+    if not start.new and start.resume_from is None:
+        log(f"[resume] {start.path} has no checkpoint yet: starting from step 0")
     # ---- the data and the plan --------------------------------------------------------------------
-    data = load_data(cfg, stage, log=log)
+    data = load_data(start.cfg, stage, log=log)
     scfg = data.job.cfg  # what the ranks build from: a fresh adapter / critic (stage_config)
     plan = StagePlan(stage, data, scfg)
-    start = check_resume(resume_from, scfg, stage, data, plan.total) if resume_from is not None else 0
-    if resume is None:
-        run = SftRunDir(RunDir.create(run_dir, cfg).path, stage)
-        run.lock()
-    else:
-        run.save_config(cfg)
-        if start == plan.total and run.product.is_dir():
-            log(f"[{stage}] {run.path} is at step {start} of {plan.total} and its product is written: nothing to do")
-            last = next((r for r in reversed(run.read_metrics()) if "loss" in r), {"step": start})
-            return dict(last, product=str(run.product))
+    first = check_resume(start.resume_from, scfg, stage, data, plan.total) if start.resume_from is not None else 0
+    run = start.commit(start.cfg)
+    if not start.new and first == plan.total and run.product.is_dir():
+        log(f"[{stage}] {run.path} is at step {first} of {plan.total} and its product is written: nothing to do")
+        last = next((r for r in reversed(run.read_metrics()) if "loss" in r), {"step": first})
+        return dict(last, product=str(run.product))
     log(f"[run] {run.path}")
     # ---- the ranks ----------------------------------------------------------------------------------
-    group, pgs, failed = None, [], False
-    try:
-        start_ray()
-        check_run_dir_visible(run.path)
+    with start.running():
+        group, pgs = None, []
         try:
-            group, pgs = start_ranks(scfg, stage, data.job.spec)
-            group.join()
-        except BaseException as exc:
-            from nla_grpo.orchestrator.driver import startup_error
+            start_ray()
+            check_run_dir_visible(run.path)
+            try:
+                group, pgs = start_ranks(scfg, stage, data.job.spec)
+                group.join()
+            except BaseException as exc:
+                from nla_grpo.orchestrator.driver import startup_error
 
-            raise startup_error(exc) from None
-        last = run_stage(stage, scfg, run, data, plan, group, start, resume_from, log=log)
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        stop_ranks(group, pgs)  # before anything is removed: no rank writes into a deleted directory
-        if failed and resume is None and not run.list_checkpoints():
-            shutil.rmtree(run.path, ignore_errors=True)  # a new stage that failed before its first checkpoint
-    from nla_grpo.orchestrator.plot import write_plots
-
-    try:
-        log(f"[plot] {write_plots(run.path)}")
-    except NlaInputError as exc:  # the stage's own outcome matters more than its plot
-        log(f"[plot] not written: {exc}")
+                raise startup_error(exc) from None
+            last = run_stage(stage, scfg, run, data, plan, group, first, start.resume_from, log=log)
+        finally:
+            stop_ranks(group, pgs)  # before a failed new stage's directory is removed: no rank writes into it
+            write_run_plots(run, log)
     return dict(last, product=str(run.product))
 
 

@@ -194,3 +194,15 @@ def test_the_sft_stages_use_only_public_names_of_other_modules():
                   and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
                 found.append(f"{f.name}:{node.lineno}: .{node.attr}")
     assert found == []
+
+
+def test_the_code_and_the_shipped_configs_say_what_and_why_not_which_machine_measured_what():
+    """Figures with their machine and date live in benchmarks/RESULTS.md; the code and deploy/ do not name it."""
+    import re
+
+    history = re.compile(r"H100|H200|RESULTS")
+    files = [f for d in ("shared", "dataprep", "sft", "rollout", "critic", "learner", "orchestrator", "evals", "nla_grpo")
+             for f in sorted((ROOT / d).rglob("*.py"))] + sorted((ROOT / "deploy").glob("*.yaml"))
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in files
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if history.search(line)]
+    assert files and found == [], found
