@@ -17,7 +17,6 @@
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -124,6 +123,6 @@ def export(nla_path, out, log=print) -> Path:
                                          "subject_model": str(parts.subject.resolve()), "layer": parts.spec.layer_index,
                                          "d_model": parts.spec.d_model, "fve_baseline": parts.fve_baseline,
                                          "ar_layout": None if no_ar else "ar/", **({"ar_layout_missing": no_ar} if no_ar else {})})
-    log(f"[export] verbalizer/ (merged, with nla_meta.yaml), critic/" + (", ar/ (AR-LoRA layout)" if not no_ar else
+    log("[export] verbalizer/ (merged, with nla_meta.yaml), critic/" + (", ar/ (AR-LoRA layout)" if not no_ar else
                                                                         f"; no ar/: {no_ar}"))
     return out

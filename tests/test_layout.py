@@ -206,3 +206,18 @@ def test_the_code_and_the_shipped_configs_say_what_and_why_not_which_machine_mea
     found = [f"{f.relative_to(ROOT)}:{i}" for f in files
              for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if history.search(line)]
     assert files and found == [], found
+
+
+def test_only_model_facts_reads_the_models_config_json():
+    """``shared/model_facts.py`` is the one reader of a model directory's ``config.json`` (elsewhere the name only
+    builds a path for a message or an existence check)."""
+    import re
+
+    reads = re.compile(r"AutoConfig|(?<![\w-])config\.json\"\)?\s*\)?\.(read_text|open)|json\.loads?\([^)]*(?<![\w-])config\.json")
+    files = [f for d in ("shared", "dataprep", "sft", "rollout", "critic", "learner", "orchestrator", "evals", "nla_grpo")
+             for f in sorted((ROOT / d).rglob("*.py")) if f != ROOT / "shared" / "model_facts.py"]
+    found = [f"{f.relative_to(ROOT)}:{i}" for f in files
+             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if reads.search(line)]
+    assert found == [], found
+    assert reads.search('    return json.loads((Path(model_dir) / "config.json").read_text())')
+    assert not reads.search('json.loads((Path(path) / "adapter_config.json").read_text())')  # PEFT's, not the model's
