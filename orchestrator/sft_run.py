@@ -1,6 +1,7 @@
 """``nla-grpo sft av|ar``: one SFT stage as a run directory, top to bottom.
 
-The run directory is a training run's: ``config.yaml`` (the resolved RL config the stage reads),
+The run directory is a training run's (``orchestrator.lifecycle``): ``config.yaml`` (the RL config the stage was
+given, validated; the stage's own follows from it, ``stage_config``, and the RL job resolves what only RL uses),
 ``metrics.jsonl`` (one line per step, ``eval/...`` on eval steps; step 0 is the untrained eval),
 ``checkpoints/step_NNNNNN/`` (``state.json`` + the ranks' full state under ``model/``), ``plots/``, and
 at the end the stage's product, written atomically: ``adapter/`` (AV: what ``learner.adapter_init`` and
