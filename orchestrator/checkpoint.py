@@ -64,9 +64,12 @@ class RunState:
     def write(self, ckpt: Path) -> None:
         from nla_grpo.shared.fileio import write_json
 
-        state = {k: v for k, v in asdict(self).items() if v is not None or k in ("config", "data", "order", "adapter_version")}
+        state = asdict(self)
+        for key in ("imported_from", "total"):  # written only where they apply
+            if state[key] is None:
+                del state[key]
         if self.stage != "rl":  # an SFT stage has no data order or adapter version
-            state = {k: v for k, v in state.items() if k not in ("order", "adapter_version")}
+            del state["order"], state["adapter_version"]
         write_json(Path(ckpt) / STATE_FILE, state, indent=1)
 
     @classmethod

@@ -81,8 +81,9 @@ def data_fingerprint(rows, train, ev, spec) -> dict:
 
 def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[str, ...] = ()) -> None:
     """Refuse, in one line naming the field, a resume whose config, data or frozen critic differ from
-    what the checkpoint was written with (a run saved before these were recorded is not checked);
-    ``changed``: fields this resume's ``--set`` changes on purpose."""
+    what the checkpoint was written with (a run saved before these were recorded is not checked). ``cfg`` and
+    ``job``: the job ``prepare_job`` made, its config resolved; ``changed``: fields this resume's ``--set`` changes on
+    purpose."""
     from nla_grpo.critic.checkpoint import FROZEN_RECORD, check_frozen_record
 
     from nla_grpo.orchestrator.checkpoint import RunState, config_change
@@ -90,8 +91,7 @@ def check_resume(ckpt: Path, cfg: RunConfig, job: "Job", where, changed: tuple[s
     state = RunState.read(ckpt)
 
     saved = state.config
-    facts = (getattr(job, "prompt_ids", None) or [], (cfg.critic.lora_r, cfg.critic.lora_alpha))
-    cfg = _resolve(cfg, *facts)  # a no-op on the job's config, which prepare_job resolved
+    facts = (job.prompt_ids, (cfg.critic.lora_r, cfg.critic.lora_alpha))  # what prepare_job resolved ``cfg`` with
     if saved is not None:
         from nla_grpo.shared.config import upgrade_saved_config
 

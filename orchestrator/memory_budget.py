@@ -225,7 +225,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     the engines' KV cache cannot fit or a phase would leave under ``FREE_MARGIN`` free."""
     from nla_grpo.rollout.engine_plan import ENGINE_OVERHEAD_BYTES
     from nla_grpo.rollout.vllm.engine import gpu_plan, weight_bytes
-    from nla_grpo.shared.resolve import sleep_at_start
+    from nla_grpo.shared.resolve import sleep_for_budget
     from nla_grpo.shared.errors import NlaInputError
     from nla_grpo.shared.torch_utils import resolve_dtype
 
@@ -242,7 +242,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     if ro.sleep_during_update == "auto":  # as the driver decides it at the start: from the learner's awake budget
         awake = {"learner": res.learner, "critic": res.critic, "engines": ro.num_engines * (engine + res.engine_lora)}
         tokens = learner_update_bytes(cfg, elem, total_bytes - sum(awake.values())) // learner_bytes_per_token(cfg, elem)
-        sleeps = sleep_at_start(cfg, int(tokens))[0]
+        sleeps = sleep_for_budget(cfg, int(tokens))
     table = phase_table(cfg, elem, res, engine, total_bytes, sleeps)
     problem = refusal(table, total_bytes)
     if problem:

@@ -554,13 +554,13 @@ class RunConfig(_Section):
         """Settings that validate one by one but cannot work together, or that placement cannot honour (every
         one of ``CROSS_FIELD_RULES`` the config breaks, a line each; the context ``{"rules": False}`` skips
         them, for their tests); then ``weight_sync: auto`` becomes the variant the placement calls for."""
-        from nla_grpo.shared.resolve import resolve_config
+        from nla_grpo.shared.resolve import resolve_config, resolve_route
 
-        resolve_config(self, after_rules=False)
+        resolve_route(self)
         problems = cross_field_problems(self) if (info.context or {}).get("rules", True) else []
         if problems:
             raise ValueError("\n".join(problems))
-        resolve_config(self, after_rules=True)
+        resolve_config(self)
         return self
 
 

@@ -1,6 +1,6 @@
 """Where every ``auto`` of the run config becomes a value: the one module that decides, at three moments.
 
-- **Config** (``resolve_config``, called by the schema's validator, so every loaded config carries the values):
+- **Config** (``resolve_route`` and ``resolve_config``, called by the schema's validator, so every loaded config carries the values):
   ``rollout.lora`` (``lora_route``), ``weight_sync.kind`` (``weight_sync_kind``), and
   ``rollout.sleep_during_update`` where the batch alone decides it (``sleep_pays``).
 - **Job** (``resolve_job``, called once the model and data are read, before any actor starts; the run directory's
@@ -83,13 +83,14 @@ def sleep_decided_by_config(cfg) -> bool:
     return sleep_pays(cfg) or not sleep_can_pay(cfg) or cfg.learner.micro_batch != "auto"
 
 
-def resolve_config(cfg, after_rules: bool) -> None:
-    """The config-time ``auto`` values, in place. ``after_rules`` False: what the cross-field rules read
-    (``rollout.lora``); True: the rest, once the rules have passed."""
-    if not after_rules:
-        if cfg.rollout.lora == "auto":
-            cfg.rollout.lora = lora_route(cfg)
-        return
+def resolve_route(cfg) -> None:
+    """``rollout.lora: auto`` in place: the config-time value the cross-field rules read."""
+    if cfg.rollout.lora == "auto":
+        cfg.rollout.lora = lora_route(cfg)
+
+
+def resolve_config(cfg) -> None:
+    """The other config-time ``auto`` values in place, once the cross-field rules have passed."""
     if cfg.weight_sync.kind == "auto":
         from pydantic import TypeAdapter
 
@@ -143,16 +144,19 @@ def resolve_job(cfg, longest_prompt: int | None, critic_lora: tuple[int, int] | 
 
 
 # ---- start time -----------------------------------------------------------------------------------------------
-def sleep_at_start(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> tuple[bool, str]:
-    """``rollout.sleep_during_update: auto`` left to the start, and the line that says why. ``awake_tokens``: the
-    micro-batch budget the learner would plan now, with the engines awake (None: it plans none); ``kept_tokens``: the
-    budget it already holds (a resumed run's), which must still fit. Sleep where the batch rule says so
-    (``sleep_pays``), and also when the awake budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses or
-    less than the kept one."""
+def sleep_for_budget(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> bool:
+    """``rollout.sleep_during_update: auto`` left to the start. ``awake_tokens``: the micro-batch budget the learner
+    would plan now, with the engines awake (None: it plans none); ``kept_tokens``: the budget it already holds (a
+    resumed run's), which must still fit. Sleep where the batch rule says so (``sleep_pays``), and also when the awake
+    budget holds fewer than ``SLEEP_BELOW_GROUPS`` groups' responses or less than the kept one."""
     if sleep_pays(cfg) or not sleep_can_pay(cfg) or awake_tokens is None:
-        sleep = sleep_pays(cfg)
-    else:
-        sleep = (kept_tokens is not None and kept_tokens > awake_tokens) or awake_tokens < least_awake_tokens(cfg)
+        return sleep_pays(cfg)
+    return (kept_tokens is not None and kept_tokens > awake_tokens) or awake_tokens < least_awake_tokens(cfg)
+
+
+def sleep_at_start(cfg, awake_tokens: int | None, kept_tokens: int | None = None) -> tuple[bool, str]:
+    """``sleep_for_budget``'s decision and the line that says why."""
+    sleep = sleep_for_budget(cfg, awake_tokens, kept_tokens)
     verdict = f"the engines {'sleep' if sleep else 'stay awake'} through the update"
     if awake_tokens is None:
         return sleep, f"[sleep] auto, fixed micro-batch: {verdict}"

@@ -154,10 +154,7 @@ def test_sleep_during_update_auto_is_left_to_the_start_only_where_the_batch_does
     (9216, 9216, False),
 ])
 def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, sleeps):
-    from nla_grpo.shared.resolve import sleep_at_start
-
-    def sleep_pays_for_budget(cfg, awake, kept=None):
-        return sleep_at_start(cfg, awake, kept)[0]
+    from nla_grpo.shared.resolve import sleep_for_budget as sleep_pays_for_budget
 
     cfg = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8, "max_new_tokens": 150}))
     assert sleep_pays_for_budget(cfg, awake, kept) is sleeps
@@ -170,10 +167,7 @@ def test_sleep_auto_sleeps_when_the_awake_micro_batch_is_small(awake, kept, slee
 
 
 def test_sleep_auto_without_a_budget_falls_back_to_the_batch():
-    from nla_grpo.shared.resolve import sleep_at_start
-
-    def sleep_pays_for_budget(cfg, awake, kept=None):
-        return sleep_at_start(cfg, awake, kept)[0]
+    from nla_grpo.shared.resolve import sleep_for_budget as sleep_pays_for_budget
 
     big = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 128}, rollout={"group_size": 8}))
     small = RunConfig.model_validate(_with(GPU, grpo={"prompts_per_step": 64}, rollout={"group_size": 8}))

@@ -178,9 +178,12 @@ def test_a_checkpoint_written_before_newer_fields_still_resumes(tmp_path):
     config misses them, yet the resume is not refused; a field it did record is still compared."""
     from types import SimpleNamespace
 
-    from nla_grpo.orchestrator.job import check_resume
+    from nla_grpo.orchestrator.job import _resolve, check_resume
 
-    cfg = build_config({"critic": {"add_bos": False}}, "t")
+    def job_config(raw):  # as prepare_job hands it to check_resume: resolved (no prompts, no critic checkpoint here)
+        return _resolve(build_config(raw, "t"), [], (None, None))
+
+    cfg = job_config({"critic": {"add_bos": False}})
     saved = cfg.model_dump(mode="json")
     for section, key in (("data", "order"), ("data", "eval_skip_rows"), ("critic", "add_bos")):
         del saved[section][key]
@@ -188,11 +191,11 @@ def test_a_checkpoint_written_before_newer_fields_still_resumes(tmp_path):
     ckpt = tmp_path / "step_000004"
     ckpt.mkdir()
     (ckpt / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
-    job = SimpleNamespace(data_fingerprint=None)
+    job = SimpleNamespace(data_fingerprint=None, prompt_ids=[])
     check_resume(ckpt, cfg, job, tmp_path / "config.yaml")
     # an older run's critic encoded without a start token: resuming it with one is a change
     with pytest.raises(NlaInputError, match=r"critic.add_bos: False when the checkpoint was written, None now"):
-        check_resume(ckpt, build_config({}, "t"), job, tmp_path / "config.yaml")
+        check_resume(ckpt, job_config({}), job, tmp_path / "config.yaml")
     with pytest.raises(NlaInputError, match=r"learner.lr: 0.0001 when the checkpoint was written"):
         saved["learner"]["lr"] = 1e-4
         (ckpt / "state.json").write_text(json.dumps({"step": 4, "config": saved}))
