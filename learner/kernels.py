@@ -8,7 +8,9 @@ adds, each a separate elementwise kernel forward and backward. Two ways to fuse 
   SwiGLU, patched onto this instance only (the LoRA linears, attention and the LM head untouched).
   Triton on CUDA only. liger also swaps the family's classes in transformers' modelling module; those
   swaps are undone, so models built later are eager. Its RoPE, a module-level function that attention
-  calls, stays installed until a ``none`` or ``compile`` install in the same process puts the eager one back.
+  calls, stays installed until a ``none`` or ``compile`` install in the same process puts the eager one back;
+  meanwhile it runs liger's kernel on CUDA tensors only, so a model of the family on the CPU in the same
+  process (a reader's or a test's critic) still computes its RoPE eagerly.
 - ``compile``: each decoder layer compiled by ``torch.compile`` (regional: one layer's graph, reused
   by all, dynamic sequence lengths), which fuses the same elementwise chains and the LoRA scaling.
 - ``none``: eager PyTorch.
@@ -42,6 +44,17 @@ def resolve(kind: str, device: torch.device) -> str:
     return kind
 
 
+def cuda_only(fused, eager):
+    """``fused`` (a Triton kernel) for CUDA tensors, ``eager`` for any other: what a module-level function
+    patched for one model must do for every other model of its family in the process."""
+
+    def rope(q, k, *args, **kwargs):
+        return (fused if q.is_cuda else eager)(q, k, *args, **kwargs)
+
+    rope.fused, rope.eager = fused, eager
+    return rope
+
+
 def install(model, kind: str) -> None:
     """Apply resolved ``kind`` to the PEFT ``model`` (in place)."""
     base = model.get_base_model()
@@ -67,6 +80,7 @@ def install(model, kind: str) -> None:
             if vars(module).get(name) is not value:
                 if name == "apply_rotary_pos_emb":
                     _EAGER_ROPE.setdefault(family, value)
+                    setattr(module, name, cuda_only(vars(module)[name], _EAGER_ROPE[family]))
                 else:  # a class swap: later models of this family are built eager
                     setattr(module, name, value)
     elif kind == "compile":

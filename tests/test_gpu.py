@@ -567,6 +567,9 @@ def test_the_seeded_noise_kernel_computes_the_reference_and_the_engine_samples_w
     raw = tiny_config(tiny_bf16_dir, None, "host", group_size=4, max_new_tokens=16, gpu_memory_utilization=0.2,
                       max_num_seqs=32, engine_options={"enforce_eager": True}).model_dump(mode="python")
     raw["model"]["dtype"], raw["placement"]["mode"], raw["critic"]["lora_r"] = "bfloat16", "colocated", 8
+    # the prompt-embeddings route runs vLLM's V1 runner, whose sampler this noise replaces (the multimodal route,
+    # auto's choice here, runs the V2 runner and its own seeded sampler)
+    raw["rollout"]["vector_input"] = "prompt_embeds"
     cfg = build_config(raw, "gpu-test")
     engine = VllmEngine(cfg, spec, "cuda")
     patched = sampler.random_sample

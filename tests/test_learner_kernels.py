@@ -45,6 +45,45 @@ def test_kernel_kinds_resolve_by_device():
         kernels.resolve("liger", cpu)
 
 
+def test_a_liger_rope_left_installed_keeps_cpu_models_of_the_family_eager(tiny_dir, monkeypatch):
+    """liger's RoPE is a module-level function: after a GPU model installs it, a CPU model of the same family in
+    the process (a reader's critic) must still compute RoPE eagerly, not hand CPU tensors to a Triton kernel."""
+    import sys
+    import types
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen3 import modeling_qwen3
+
+    eager = modeling_qwen3.apply_rotary_pos_emb
+    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", eager)  # restored after the test
+    monkeypatch.setattr(kernels, "_EAGER_ROPE", {})
+
+    def fused(*args, **kwargs):
+        raise AssertionError("the CUDA-only RoPE ran on CPU tensors")
+
+    def apply(base, **kwargs):  # what liger's instance patch does to the modelling module
+        modeling_qwen3.apply_rotary_pos_emb = fused
+
+    fake = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    fake._apply_liger_kernel_to_instance = apply
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    want = base(input_ids=ids).logits
+    kernels.install(get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])), "liger")
+    installed = modeling_qwen3.apply_rotary_pos_emb
+    assert installed is not eager and installed.fused is fused and installed.eager is eager
+    other = AutoModelForCausalLM.from_pretrained(tiny_dir / "model", dtype=torch.float32)
+    torch.testing.assert_close(other(input_ids=ids).logits, want)  # the CPU model ran, eagerly
+    kernels.install(get_peft_model(other, LoraConfig(r=4, target_modules=["q_proj"])), "none")
+    assert modeling_qwen3.apply_rotary_pos_emb is eager
+
+
 def test_liger_on_a_cpu_placement_is_refused_in_one_line(tiny_dir):
     from nla_grpo.shared.config import build_config, cross_field_problems
 
