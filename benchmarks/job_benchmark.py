@@ -257,6 +257,9 @@ def main() -> int:
         planned = json.loads(plan_file.read_text())
         res["memory_plan"] = planned
         res["memory_planned_vs_measured_gib"] = planned_vs_measured(planned, phase_peak)
+    held_file = run_dir / "memory_held.json"
+    if held_file.is_file():  # what the learner's and the critic's torch held once up, beside their planned figures
+        res["memory_held_once_up_gib"] = json.loads(held_file.read_text())
     if reference:
         res["reference"] = reference
         res["speedup"] = reference["total"] / med["step"]

@@ -15,6 +15,9 @@ class CriticActor:
         from nla_grpo.shared.collective import DataParallel
 
         self.critic = Critic(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
+        from nla_grpo.shared.torch_utils import settle_cuda_memory
+
+        settle_cuda_memory()
 
     def score(self, explanations, activations):
         return self.critic.score(explanations, activations)
@@ -33,6 +36,12 @@ class CriticActor:
 
     def describe(self):
         return self.critic.describe()
+
+    def gpu_memory(self) -> dict[str, int] | None:
+        """What this process's torch holds on its GPU (``shared.torch_utils.settle_cuda_memory``); None on the CPU."""
+        from nla_grpo.shared.torch_utils import settle_cuda_memory
+
+        return settle_cuda_memory()
 
     def checksum(self):
         return self.critic.checksum()

@@ -21,12 +21,21 @@ class LearnerActor:
 
         torch.manual_seed(cfg.seed)
         self.sender = make_sender(cfg.weight_sync, device)  # owns each export's buffer (shared.weight_sync)
+        from nla_grpo.shared.torch_utils import settle_cuda_memory
+
+        settle_cuda_memory()
 
     def update(self, samples, advantages, vectors) -> dict:
         return self.learner.update(samples, advantages, vectors)
 
     def planned_tokens(self) -> tuple[int | None, int | None]:
         return self.learner.planned_tokens()
+
+    def gpu_memory(self) -> dict[str, int] | None:
+        """What this process's torch holds on its GPU (``shared.torch_utils.settle_cuda_memory``); None on the CPU."""
+        from nla_grpo.shared.torch_utils import settle_cuda_memory
+
+        return settle_cuda_memory()
 
     def logprobs(self, samples, vectors, adapter: str = "default") -> list[list[float]]:
         return self.learner.logprobs(samples, vectors, adapter)

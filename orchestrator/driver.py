@@ -210,6 +210,27 @@ def _write_checkpoint(services, run: RunDir, order: ShuffledOrder, feed: Rollout
     return tmp
 
 
+def _held_once_up(cfg, services, run) -> str | None:
+    """On a GPU: what the learner's and the critic's torch hold once up (their loading's cache given back), beside
+    the memory plan's figures, kept as ``memory_held.json`` in the run directory; the line to log, or None."""
+    import json
+
+    import ray
+
+    from nla_grpo.orchestrator.memory_budget import held_once_up
+    from nla_grpo.shared.fileio import write_json
+
+    if cfg.placement.mode == "cpu":
+        return None
+    learner, critic = ray.get([services.learner.leader.gpu_memory.remote(), services.critic.leader.gpu_memory.remote()])
+    plan_file = run.path / "memory_plan.json"
+    planned = json.loads(plan_file.read_text()) if plan_file.is_file() else None
+    table, line = held_once_up({"learner": learner, "critic": critic}, planned)
+    if table:
+        write_json(run.path / "memory_held.json", table)
+    return line
+
+
 def resolve_sleep(cfg, learner, log=print) -> bool:
     """``rollout.sleep_during_update: auto`` left to the start: decided by ``shared.resolve.sleep_at_start`` from the
     micro-batch budget the learner would plan now, with the services up and the engines awake; logged once."""
@@ -254,10 +275,13 @@ def train(job: Job, run: RunDir, services, resume_from: Path | None = None, log=
             sleep = resolve_sleep(cfg, services.learner, log)
         phase = "describe"
         engines = ray.get([eng.describe.remote() for eng in services.rollouts])
+        held = _held_once_up(cfg, services, run)
     except BaseException as exc:
         raise _step_error(exc, start + 1, phase, services) from None
     for line in dict.fromkeys(engines):  # each kind of engine once
         log(f"[engine] {line}")
+    if held:
+        log(held)
     asked = getattr(services, "asked_at", None)  # the engines and learner rank 0 are up once the first push is through
     log(f"[push] adapter v{version} on {len(services.rollouts)} engine(s)"
         + (f"; engines and learner up {time.time() - asked:.1f} s after the services were asked for" if asked else ""))

@@ -204,6 +204,21 @@ def summary(table: dict[str, dict[str, int]], total_bytes: int) -> str:
     return f"[memory] planned GiB of {total_bytes / GIB:.1f}: {peaks}; at least {free / GIB:.1f} free ({phase})"
 
 
+def held_once_up(held: dict[str, dict | None], planned: dict | None) -> tuple[dict, str | None]:
+    """What each service's torch holds once the services are up (``{name: {"allocated", "reserved"}}`` in bytes,
+    None on the CPU) beside the plan's figure for it at rest (``ColocatedPlan.as_json()``'s rollout phase): GiB per
+    service for the run directory, and one line (None where no service is on a GPU)."""
+    at_rest = (planned or {}).get("phases", {}).get("rollout", {})
+    table = {name: {"allocated": round(h["allocated"] / GIB, 2), "reserved": round(h["reserved"] / GIB, 2),
+                    **({"planned": at_rest[name]} if name in at_rest else {})}
+             for name, h in held.items() if h}
+    if not table:
+        return table, None
+    parts = [f"{name} {t['allocated']:.1f} allocated, {t['reserved']:.1f} reserved"
+             + (f" (planned {t['planned']:.1f})" if "planned" in t else "") for name, t in table.items()]
+    return table, "[memory] held by torch once up, GiB: " + "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class ColocatedPlan:
     """A colocated run's memory plan on a GPU of ``total_bytes``."""

@@ -35,3 +35,15 @@ def right_pad(seqs, pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tenso
         ids[row, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
         mask[row, : len(s)] = 1
     return ids.to(device), mask.to(device)
+
+
+def settle_cuda_memory() -> dict[str, int] | None:
+    """Give the caching allocator's unused blocks back to the device, then what this process's torch holds:
+    ``{"allocated": bytes, "reserved": bytes}``, or None without CUDA. A service calls it once built: loading
+    (a bf16 checkpoint quantised layer by layer, a state read to the device) leaves freed blocks cached, which a
+    colocated GPU's other processes cannot use and the memory plan does not count."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}

@@ -39,6 +39,9 @@ class FakeLearner:
     def checksum(self):
         return [self.step, self.version]
 
+    def gpu_memory(self):  # what a GPU learner's torch holds once up (these fakes hold nothing)
+        return None
+
     def planned_tokens(self):
         self.planned = getattr(self, "planned", 0) + 1
         return 512 * (1 + getattr(self, "rank", 0)), None
@@ -93,6 +96,9 @@ class FakeCritic:
     def train_step(self, explanations, vectors):
         self.trained += 1
         return {"critic_loss": 0.5}
+
+    def gpu_memory(self):
+        return None
 
     def trained_steps(self):
         return self.trained

@@ -209,3 +209,15 @@ def test_config_check_prints_the_memory_plan_without_a_gpu(tiny_dir, tmp_path):
         gib = "0.5" if not extra else "16"
         bad = run_cli("config", "check", str(path), "--gpu-gib", gib, *extra)
         assert bad.returncode == 2 and expect in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_what_the_services_hold_once_up_is_set_beside_the_plan():
+    from nla_grpo.orchestrator.memory_budget import GIB, held_once_up
+
+    planned = {"phases": {"rollout": {"learner": 12.43, "critic": 4.29, "engines": 40.66, "total": 57.38}}}
+    held = {"learner": {"allocated": int(12.5 * GIB), "reserved": int(19.25 * GIB)}, "critic": None}
+    table, line = held_once_up(held, planned)
+    assert table == {"learner": {"allocated": 12.5, "reserved": 19.25, "planned": 12.43}}
+    assert line == "[memory] held by torch once up, GiB: learner 12.5 allocated, 19.2 reserved (planned 12.4)"
+    assert held_once_up({"learner": None, "critic": None}, planned) == ({}, None)  # the CPU: nothing to say
+    assert "planned" not in held_once_up(held, None)[0]["learner"]  # no plan (split placement): the measure alone
