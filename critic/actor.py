@@ -15,9 +15,7 @@ class CriticActor:
         from nla_grpo.shared.collective import DataParallel
 
         self.critic = Critic(cfg, spec, device, DataParallel(cfg.placement.collective_timeout_s))
-        from nla_grpo.shared.torch_utils import settle_cuda_memory
-
-        settle_cuda_memory()
+        self.gpu_memory()  # the loading's cached blocks go back to the GPU
 
     def score(self, explanations, activations):
         return self.critic.score(explanations, activations)

@@ -21,9 +21,7 @@ class LearnerActor:
 
         torch.manual_seed(cfg.seed)
         self.sender = make_sender(cfg.weight_sync, device)  # owns each export's buffer (shared.weight_sync)
-        from nla_grpo.shared.torch_utils import settle_cuda_memory
-
-        settle_cuda_memory()
+        self.gpu_memory()  # the loading's cached blocks go back to the GPU
 
     def update(self, samples, advantages, vectors) -> dict:
         return self.learner.update(samples, advantages, vectors)
