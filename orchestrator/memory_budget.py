@@ -125,7 +125,9 @@ def awake_beside_engines(cfg, elem: int, res: Residents) -> int:
     are awake (rollout, score, push, an awake update): what ``rollout.engine_plan`` takes off the top before it sizes
     the KV cache, so the KV fits every phase, not only the rollout."""
     n = cfg.rollout.num_engines
-    others = max(critic_forward_bytes(cfg, elem), n * push_bytes(cfg, res), awake_update_bytes(cfg, elem))
+    awake_update = awake_update_bytes(cfg, elem)
+    awake_update += learner_reserve_bytes(res, elem) if awake_update else 0
+    others = max(critic_forward_bytes(cfg, elem), n * push_bytes(cfg, res), awake_update)
     return res.at_rest + n * res.engine_lora + others
 
 
@@ -139,15 +141,17 @@ def phase_table(cfg, elem: int, res: Residents, engine_bytes: int, total_bytes: 
     awake = {**rest, "engines": n * (engine_bytes + res.engine_lora)}
     asleep = {**rest, "engines asleep": n * (ENGINE_ASLEEP_BYTES + (res.engine_lora and res.adapter_engine))}
     during_update = asleep if sleeps else awake
-    if update_bytes is None:
-        update_bytes = learner_update_bytes(cfg, elem, total_bytes - sum(during_update.values()))
+    if update_bytes is None:  # planned as the learner plans it: in what is free after its reserve
+        free = total_bytes - sum(during_update.values()) - learner_reserve_bytes(res, elem)
+        update_bytes = learner_update_bytes(cfg, elem, free)
+    transients = learner_transient_bytes(cfg, res, elem, update_bytes // learner_bytes_per_token(cfg, elem))
     push = {"export buffer": res.adapter_fp32, "received copy": n * res.adapter_fp32,
             ("next adapter version" if cfg.rollout.lora == "adapter" else "merge delta"):
                 n * (push_bytes(cfg, res) - 2 * res.adapter_fp32)}
     return {
         "rollout": dict(awake),
         "score": {**awake, "critic forward": critic_forward_bytes(cfg, elem)},
-        "update": {**during_update, "learner micro-batch": update_bytes},
+        "update": {**during_update, "learner casts + logit chunks": transients, "learner micro-batch": update_bytes},
         "push": {**awake, **push},
         "checkpoint": dict(awake),  # the state goes to host memory tensor by tensor
     }
@@ -166,6 +170,25 @@ def learner_bytes_per_token(cfg, elem: int) -> int:
     fused, attention = _learner_kernels(cfg)
     return config_bytes_per_token(text_config(cfg.model.path), cfg.learner.lora_r, elem, cfg.learner.gradient_checkpointing,
                                   fused, attention == "varlen")
+
+
+def learner_reserve_bytes(res: Residents, elem: int) -> int:
+    """What ``learner.micro_batches.plan_budget`` sets aside before it sizes an ``auto`` micro-batch in the free
+    memory: the policy's and the reference's adapter cast to the model dtype, and three chunks of the LM head's fp32
+    logits at their largest."""
+    from nla_grpo.learner.token_logprobs import CHUNK_BYTES
+
+    return 2 * (res.adapter_fp32 // ADAPTER_PARAM_BYTES) * elem + 3 * CHUNK_BYTES
+
+
+def learner_transient_bytes(cfg, res: Residents, elem: int, tokens: int) -> int:
+    """What the update holds besides a micro-batch of ``tokens`` tokens' activations: the two adapter casts and up to
+    three chunks of fp32 logits (a chunk is at most ``CHUNK_BYTES``, and no more rows than the micro-batch has).
+    Left out, the update's planned peak sat 0.6-1.9 GiB under the measured one at the 8B shape (RESULTS §24)."""
+    from nla_grpo.learner.token_logprobs import CHUNK_BYTES
+
+    chunk = min(tokens * text_config(cfg.model.path)["vocab_size"] * 4, CHUNK_BYTES)
+    return 2 * (res.adapter_fp32 // ADAPTER_PARAM_BYTES) * elem + 3 * chunk
 
 
 def learner_update_bytes(cfg, elem: int, free: int) -> int:
@@ -256,7 +279,8 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     sleeps = ro.sleep_during_update is True
     if ro.sleep_during_update == "auto":  # as the driver decides it at the start: from the learner's awake budget
         awake = {"learner": res.learner, "critic": res.critic, "engines": ro.num_engines * (engine + res.engine_lora)}
-        tokens = learner_update_bytes(cfg, elem, total_bytes - sum(awake.values())) // learner_bytes_per_token(cfg, elem)
+        free = total_bytes - sum(awake.values()) - learner_reserve_bytes(res, elem)
+        tokens = learner_update_bytes(cfg, elem, free) // learner_bytes_per_token(cfg, elem)
         sleeps = sleep_for_budget(cfg, int(tokens))
     table = phase_table(cfg, elem, res, engine, total_bytes, sleeps)
     problem = refusal(table, total_bytes)

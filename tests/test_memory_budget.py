@@ -9,8 +9,8 @@ from conftest import run_cli
 from nla_grpo.orchestrator.memory_budget import (ADAPTER_PARAM_BYTES, ADAM_STATE_BYTES, CONTEXT_BYTES, ENGINE_ASLEEP_BYTES,
                                         FREE_MARGIN, GIB, LORA_ENGINE_BYTES, PHASES, TRAINED_PARAM_BYTES, awake_beside_engines,
                                         awake_update_bytes, beside_colocated_engines, colocated_residents,
-                                        critic_forward_bytes, largest_weight_bytes, phase_table, plan_colocated,
-                                        push_bytes, residents)
+                                        critic_forward_bytes, largest_weight_bytes, learner_bytes_per_token,
+                                        phase_table, plan_colocated, push_bytes, residents)
 from nla_grpo.shared.model_facts import NF4_SHARE, bf16_bytes, lora_params
 from nla_grpo.shared.config import build_config
 from nla_grpo.shared.errors import NlaInputError
@@ -136,8 +136,33 @@ def test_each_phase_adds_what_it_holds_on_either_route(qwen3_8b):
         assert sum(table["score"].values()) == awake + critic_forward_bytes(cfg, 2)
         assert sum(table["push"].values()) == awake + push_bytes(cfg, res)
         asleep = ENGINE_ASLEEP_BYTES + (res.adapter_engine if route == "adapter" else 0)
-        assert sum(table["update"].values()) == res.learner + res.critic + asleep + 5 * GIB
+        # two 16-bit adapter casts and three chunks of fp32 logits, each at most 1 GiB or the micro-batch's rows
+        rows = 5 * GIB // learner_bytes_per_token(cfg, 2)
+        transients = 2 * lora_params(qwen3_8b, 128, TARGETS) * 2 + 3 * min(rows * 151936 * 4, GIB)
+        assert table["update"]["learner casts + logit chunks"] == transients
+        assert sum(table["update"].values()) == res.learner + res.critic + asleep + transients + 5 * GIB
         assert awake_beside_engines(cfg, 2, res) == res.at_rest + res.engine_lora + push_bytes(cfg, res)
+
+
+def test_the_update_plans_its_micro_batch_in_what_the_learner_leaves_after_its_transients(qwen3_8b):
+    """``learner.micro_batch: auto`` sizes its micro-batch in the free memory less the adapter casts and logit chunks
+    (``learner.micro_batches.plan_budget``): the plan does the same, so its update row is the activations of that
+    micro-batch plus the transients, not a larger micro-batch planned in all the free memory."""
+    from nla_grpo.learner.memory_plan import safety, token_budget
+
+    cfg = job(qwen3_8b, lora="merged")
+    res = residents(cfg, 2, (128, TARGETS))
+    table = phase_table(cfg, 2, res, 30 * GIB, H100, sleeps=True)
+    transients = table["update"]["learner casts + logit chunks"]
+    held = sum(v for k, v in table["update"].items() if k not in ("learner casts + logit chunks", "learner micro-batch"))
+    per_token = learner_bytes_per_token(cfg, 2)
+    assert transients == 2 * lora_params(qwen3_8b, 128, TARGETS) * 2 + 3 * GIB
+    tokens = token_budget(H100 - held - transients, per_token, 0, safety(True, "varlen"))
+    assert table["update"]["learner micro-batch"] == tokens * per_token
+    assert tokens < token_budget(H100 - held, per_token, 0, safety(True, "varlen"))  # the reserve costs tokens
+    # a micro-batch of few rows holds chunks of its own rows only: 600 tokens x 152k vocabulary x fp32 each
+    small = phase_table(cfg, 2, res, 30 * GIB, H100, sleeps=True, update_bytes=600 * per_token)
+    assert small["update"]["learner casts + logit chunks"] == 2 * lora_params(qwen3_8b, 128, TARGETS) * 2 + 3 * 600 * 151936 * 4
 
 
 def test_the_adapter_route_plans_its_lora_memory_into_the_kv_cache(qwen3_8b):
