@@ -50,6 +50,12 @@ def positions_of(n_tokens: int, positions) -> list[int]:
     return list(range(k, n_tokens))
 
 
+READ_CRITIC_MICRO_BATCH = 128
+"""Explanations the reconstructor scores at once when reading. Training's ``critic.micro_batch`` (16) is sized for a
+backward beside the learner; a reading keeps no activations, and at 16 an 8B-shape critic of 25 blocks is bound by
+its per-call kernel launches: 2,048 near-empty explanations took 8.5 s on an H100 (RESULTS §27)."""
+
+
 class NLA:
     """A trained NLA: verbaliser + reconstructor, the subject model they read, and the settings they were trained with."""
 
@@ -126,8 +132,11 @@ class NLA:
         if self._critic is None:
             from nla_grpo.critic.scoring import Critic
 
-            # the reconstructor's backbone is the subject model's (an export's verbaliser is merged: not its base)
-            cfg = self.cfg.model_copy(update={"model": self.cfg.model.model_copy(update={"path": str(self.parts.subject)})})
+            # the reconstructor's backbone is the subject model's (an export's verbaliser is merged: not its base);
+            # it scores without gradients here, in larger micro-batches than training's (READ_CRITIC_MICRO_BATCH)
+            critic = self.cfg.critic.model_copy(update={"micro_batch": max(self.cfg.critic.micro_batch, READ_CRITIC_MICRO_BATCH)})
+            cfg = self.cfg.model_copy(update={"model": self.cfg.model.model_copy(update={"path": str(self.parts.subject)}),
+                                              "critic": critic})
             self._critic = Critic(cfg, self.spec, device=self.device)
         return self._critic
 

@@ -137,6 +137,13 @@ def test_the_api_reads_as_the_command_does(tiny_pipeline):
         pred = nla.reconstruct(texts)
         gold = normalize_activation(torch.from_numpy(vectors), nla.spec.mse_scale).numpy()
         assert ((pred - gold) ** 2).mean(axis=1) == pytest.approx(mses, abs=1e-4)
+        # the reading scores in larger micro-batches than training's, to the same scores
+        from nla_grpo.critic.scoring import Critic
+        from nla_grpo.nla import READ_CRITIC_MICRO_BATCH
+
+        assert nla.critic.cfg.critic.micro_batch == max(nla.cfg.critic.micro_batch, READ_CRITIC_MICRO_BATCH)
+        small = nla.critic.cfg.model_copy(update={"critic": nla.cfg.critic.model_copy(update={"micro_batch": 4})})
+        assert Critic(small, nla.spec, device="cpu").score(texts, vectors) == pytest.approx(mses, abs=1e-5)
         said = nla.verbalize(vectors[:3], samples=2)
         assert len(said) == 3 and all(len(s) == 2 for s in said)
         with pytest.raises(NlaInputError, match=r"vectors: expected shape \(n, 64\)"):
