@@ -80,3 +80,37 @@ def peak_by_phase(times: list[float], values: list[float], timeline: list[dict])
             if inside:
                 out[name] = max(out.get(name, -math.inf), max(inside))
     return out
+
+
+APP_FIELDS = ("pid", "used_memory")  # nvidia-smi --query-compute-apps: one row per process on the GPU, MiB
+
+
+def app_poll(interval_ms: int = 250) -> SmiPoll:
+    """An ``SmiPoll`` of the GPU's processes: each poll prints one row per process, read together."""
+    return SmiPoll(APP_FIELDS, command=["nvidia-smi", f"--query-compute-apps={','.join(APP_FIELDS)}",
+                                        "--format=csv,noheader,nounits", "-lms", str(interval_ms)])
+
+
+def peak_by_phase_per_process(times: list[float], rows: list[tuple[float, ...]], timeline: list[dict],
+                              labels: dict[int, str], gap: float = 0.1) -> dict[str, dict[str, float]]:
+    """Per phase, per service: the most its processes held at once in one poll (MiB). ``rows``: ``(pid, MiB)`` as
+    ``app_poll`` read them (a poll's rows come together; a pause over ``gap`` seconds starts the next poll);
+    ``labels``: pid -> service name, every other process counted as ``"other"``."""
+    polls: list[tuple[float, dict[str, float]]] = []
+    last = -math.inf
+    for t, (pid, mib) in zip(times, rows):
+        if t - last > gap:
+            polls.append((t, {}))
+        last = t
+        held = polls[-1][1]
+        name = labels.get(int(pid), "other")
+        held[name] = held.get(name, 0.0) + mib
+    out: dict[str, dict[str, float]] = {}
+    for row in timeline:
+        for phase, start, end in row["phases"]:
+            for t, held in polls:
+                if start <= t <= end:
+                    peaks = out.setdefault(phase, {})
+                    for name, mib in held.items():
+                        peaks[name] = max(peaks.get(name, 0.0), mib)
+    return out

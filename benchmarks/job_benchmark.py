@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import step_benchmark  # noqa: E402  (the shared workload: model shape, data, options)
-from gpu_monitor import SmiPoll, peak_by_phase  # noqa: E402
+from gpu_monitor import SmiPoll, app_poll, peak_by_phase, peak_by_phase_per_process  # noqa: E402
 
 PHASES = ("time/rollout", "time/score", "time/update", "time/critic", "time/push", "time/sleep", "time/eval", "time/checkpoint")
 
@@ -216,7 +216,7 @@ def main() -> int:
     t = time.perf_counter()
     # every process on the GPU (vLLM, learner, critic), polled from outside the job: this script holds no CUDA context
     engines = []  # the job's "[engine]" lines: which vLLM model runner ran, the planned KV cache and batch
-    with SmiPoll() as smi:
+    with SmiPoll() as smi, app_poll() as apps:  # the device's total, and each process's share
         proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace", bufsize=1)
         try:
@@ -259,7 +259,14 @@ def main() -> int:
         res["memory_planned_vs_measured_gib"] = planned_vs_measured(planned, phase_peak)
     held_file = run_dir / "memory_held.json"
     if held_file.is_file():  # what the learner's and the critic's torch held once up, beside their planned figures
-        res["memory_held_once_up_gib"] = json.loads(held_file.read_text())
+        res["memory_held_once_up_gib"] = held = json.loads(held_file.read_text())
+        # each service's processes per phase (nvidia-smi's per-process figures; the engines are every other process
+        # on the GPU): where a phase's measured peak exceeds its plan, which service holds the difference
+        labels = {int(h["pid"]): name for name, h in held.items() if "pid" in h}
+        per = peak_by_phase_per_process(apps.times, apps.rows, timeline[1:] or timeline, labels)
+        res["device_memory_peak_gib_by_phase_and_service"] = {
+            phase: {("engines and the rest" if k == "other" else k): round(v / 1024, 2) for k, v in held_by.items()}
+            for phase, held_by in per.items()} or "nvidia-smi listed no process (another PID namespace?)"
     if reference:
         res["reference"] = reference
         res["speedup"] = reference["total"] / med["step"]

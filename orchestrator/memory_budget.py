@@ -233,7 +233,7 @@ def held_once_up(held: dict[str, dict | None], planned: dict | None) -> tuple[di
     service for the run directory, and one line (None where no service is on a GPU)."""
     at_rest = (planned or {}).get("phases", {}).get("rollout", {})
     table = {name: {"allocated": round(h["allocated"] / GIB, 2), "reserved": round(h["reserved"] / GIB, 2),
-                    **({"planned": at_rest[name]} if name in at_rest else {})}
+                    **({"planned": at_rest[name]} if name in at_rest else {}), **({"pid": h["pid"]} if "pid" in h else {})}
              for name, h in held.items() if h}
     if not table:
         return table, None

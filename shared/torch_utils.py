@@ -1,6 +1,8 @@
 """Small torch helpers every service shares (imported only where torch is needed)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -39,11 +41,11 @@ def right_pad(seqs, pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tenso
 
 def settle_cuda_memory() -> dict[str, int] | None:
     """Give the caching allocator's unused blocks back to the device, then what this process's torch holds:
-    ``{"allocated": bytes, "reserved": bytes}``, or None without CUDA. A service calls it once built: loading
+    ``{"allocated": bytes, "reserved": bytes, "pid": its process id}``, or None without CUDA. A service calls it once built: loading
     (a bf16 checkpoint quantised layer by layer, a state read to the device) leaves freed blocks cached, which a
     colocated GPU's other processes cannot use and the memory plan does not count."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
+    return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(), "pid": os.getpid()}

@@ -107,6 +107,20 @@ def test_the_peak_of_each_phase_comes_from_the_polls_inside_its_windows():
     assert peak_by_phase(times, values, timeline) == {"rollout": 50.0, "update": 80.0}  # no poll fell in push
 
 
+def test_each_services_processes_are_summed_per_poll_and_peaked_per_phase():
+    from gpu_monitor import peak_by_phase_per_process
+
+    timeline = [{"step": 2, "phases": [["rollout", 10.0, 20.0], ["update", 20.0, 40.0]]}]
+    # polls at 11, 15 and 25 s; the engine runs in two processes (11 and 12), pid 99 is another program
+    times = [11.0, 11.001, 11.002, 11.003, 15.0, 15.001, 15.002, 25.0, 25.001, 25.002]
+    rows = [(10, 8000.0), (11, 30000.0), (12, 2000.0), (99, 500.0),
+            (10, 8100.0), (11, 31000.0), (12, 2500.0),
+            (10, 40000.0), (11, 1000.0), (12, 1000.0)]
+    peaks = peak_by_phase_per_process(times, rows, timeline, {10: "learner", 11: "engines", 12: "engines"})
+    assert peaks == {"rollout": {"learner": 8100.0, "engines": 33500.0, "other": 500.0},
+                     "update": {"learner": 40000.0, "engines": 2000.0}}
+
+
 def test_the_colocated_job_benchmark_runs_the_shipped_config():
     """benchmarks/job_benchmark.py's colocated job is deploy/colocated.yaml with only the paths, the batch and the
     workload's shape changed (and what the command line names), so its figures are the shipped config's."""
