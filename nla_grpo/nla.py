@@ -53,7 +53,7 @@ def positions_of(n_tokens: int, positions) -> list[int]:
 READ_CRITIC_MICRO_BATCH = 128
 """Explanations the reconstructor scores at once when reading. Training's ``critic.micro_batch`` (16) is sized for a
 backward beside the learner; a reading keeps no activations, and at 16 an 8B-shape critic of 25 blocks is bound by
-its per-call kernel launches: 2,048 near-empty explanations took 8.5 s on an H100 (RESULTS §27)."""
+its per-call kernel launches (2,048 near-empty explanations in 128 calls took 8.5 s at the 8B shape)."""
 
 
 class NLA:
@@ -111,7 +111,7 @@ class NLA:
 
     def route(self) -> dict:
         """How the verbaliser's engine takes the adapter and the vector (``rollout.lora``, ``rollout.vector_input``).
-        ``auto`` on a GPU's vLLM: training's faster route (RESULTS §17, §24), the adapter merged into the weights
+        ``auto`` on a GPU's vLLM: the route the colocated jobs measured faster, the adapter merged into the weights
         once (nothing trains; not a checkpoint saved quantised) and, in embed mode on a checkpoint with the
         marker-input class, the marker's row as a multimodal item on vLLM's V2 runner; elsewhere the run's own."""
         from nla_grpo.shared.model_facts import architectures, saved_quantization

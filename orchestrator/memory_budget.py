@@ -184,7 +184,7 @@ def learner_reserve_bytes(res: Residents, elem: int) -> int:
 def learner_transient_bytes(cfg, res: Residents, elem: int, tokens: int) -> int:
     """What the update holds besides a micro-batch of ``tokens`` tokens' activations: the two adapter casts and up to
     three chunks of fp32 logits (a chunk is at most ``CHUNK_BYTES``, and no more rows than the micro-batch has).
-    Left out, the update's planned peak sat 0.6-1.9 GiB under the measured one at the 8B shape (RESULTS §24)."""
+    Left out, the update's planned peak sat 0.6-1.9 GiB under the measured one at the 8B shape."""
     from nla_grpo.learner.token_logprobs import CHUNK_BYTES
 
     chunk = min(tokens * text_config(cfg.model.path)["vocab_size"] * 4, CHUNK_BYTES)
