@@ -99,7 +99,8 @@ def main() -> int:
     nla.score([e[0] for e in warm], vectors[: len(warm)])
     t_warm = time.time() - t
     # texts of the cap's length in the tokenizer's own words: what the reconstructor reads at the longest
-    words = [i for i in range(len(nla.tokenizer)) if i not in set(nla.tokenizer.all_special_ids)]
+    special = set(nla.tokenizer.all_special_ids)
+    words = [i for i in range(len(nla.tokenizer)) if i not in special]
     def capped_text() -> str:  # drawn ids, decoded, re-encoded and cut to the cap (a decoded id may re-encode as several)
         text = nla.tokenizer.decode(rng.choice(words, args.new_tokens).tolist())
         return nla.tokenizer.decode(nla.tokenizer.encode(text, add_special_tokens=False)[: args.new_tokens])

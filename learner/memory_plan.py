@@ -49,6 +49,17 @@ def activation_bytes_per_token(hidden: int, intermediate: int, layers: int, head
     return layers * per_layer * elem_bytes
 
 
+def transient_bytes(adapter_params: int, elem: int, chunk_bytes: int | None = None) -> int:
+    """What an update holds besides its micro-batch's activations: the policy's and the reference's adapter cast to
+    the model dtype (``lora_compute``), and three chunks of the LM head's fp32 logits (``token_logprobs``), each
+    ``chunk_bytes`` (None: ``CHUNK_BYTES``, a chunk at its largest)."""
+    if chunk_bytes is None:
+        from nla_grpo.learner.token_logprobs import CHUNK_BYTES
+
+        chunk_bytes = CHUNK_BYTES
+    return 2 * adapter_params * elem + 3 * chunk_bytes
+
+
 def safety(fused: bool, attention: str) -> float:
     """The factor on the count: ``SAFETY_MEASURED`` where the count was measured to hold (fused kernels, flex or
     varlen attention), ``SAFETY`` elsewhere."""

@@ -76,21 +76,19 @@ class MicroBatches:
         """The budget ``micro_batch: auto`` would choose with the memory free now (every data-parallel rank calls
         it together); ``token_budget`` keeps the first one."""
         from nla_grpo.learner import kernels
-        from nla_grpo.learner.memory_plan import plan_tokens
-        from nla_grpo.learner.token_logprobs import CHUNK_BYTES
+        from nla_grpo.learner.memory_plan import plan_tokens, transient_bytes
 
         model = self.policy.model
         elem = model.get_input_embeddings().weight.element_size()
-        # gradients and both Adam moments of the fp32 adapter appear at the first step; the LM head
-        # needs a few chunks of fp32 logits besides the activations
+        # gradients and both Adam moments of the fp32 adapter appear at the first step
         reserve = 0 if optimizer.state else 3 * sum(p.numel() * p.element_size() for p in params)
-        # the policy's and the reference's adapter cast to the model dtype, held through the update (lora_compute)
-        reserve += 2 * sum(p.numel() for p in params) * elem
+        # the adapter casts and the LM head's fp32 logit chunks, held through the update besides the activations
+        reserve += transient_bytes(sum(p.numel() for p in params), elem)
         # ... and, on several ranks, the float64 gradient sums (two more copies of the adapter)
         if self.dp.world_size > 1:
             reserve += 2 * sum(p.numel() * p.element_size() for p in params)
         budget = plan_tokens(model.get_base_model().config, self.cfg.learner.lora_r, elem,
-                             self.cfg.learner.gradient_checkpointing, self.device, reserve + 3 * CHUNK_BYTES,
+                             self.cfg.learner.gradient_checkpointing, self.device, reserve,
                              fused=self.policy.kernels in kernels.FUSED,
                              attention=self.policy.attention)
         # data-parallel ranks plan the same micro-batches: the budget every rank's memory allows

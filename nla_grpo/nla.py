@@ -80,7 +80,7 @@ class NLA:
             raise NlaInputError("backend", f"lora={lora!r}, vector_input={vector_input!r} are vLLM's routes; found backend {self.backend!r}")
         self.lora, self.vector_input = lora, vector_input
         self.fve_baseline = parts.fve_baseline
-        self._engine = self._critic = self._extractor = self._tokenizer = self._prompt = None
+        self._engine = self._critic = self._extractor = self._tokenizer = self._prompt = self._route = None
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # the reading prints its own progress
@@ -114,6 +114,8 @@ class NLA:
         ``auto`` on a GPU's vLLM: the route the colocated jobs measured faster, the adapter merged into the weights
         once (nothing trains; not a checkpoint saved quantised) and, in embed mode on a checkpoint with the
         marker-input class, the marker's row as a multimodal item on vLLM's V2 runner; elsewhere the run's own."""
+        if self._route is not None:
+            return dict(self._route)
         from nla_grpo.shared.model_facts import architectures, saved_quantization
         from nla_grpo.shared.resolve import MARKER_INPUT_ARCHITECTURES
 
@@ -126,7 +128,8 @@ class NLA:
             archs = architectures(self.cfg.model.path)
             fits = self.cfg.injection.mode == "embed" and bool(archs) and archs[0] in MARKER_INPUT_ARCHITECTURES
             vector_input = "multimodal" if gpu_vllm and fits else ro.vector_input
-        return {"lora": lora, "vector_input": vector_input}
+        self._route = {"lora": lora, "vector_input": vector_input}
+        return dict(self._route)
 
     def _engine_for(self, samples: int):
         update = {"group_size": int(samples), "backend": self.backend, **self.route()}

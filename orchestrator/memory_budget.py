@@ -126,7 +126,7 @@ def awake_beside_engines(cfg, elem: int, res: Residents) -> int:
     the KV cache, so the KV fits every phase, not only the rollout."""
     n = cfg.rollout.num_engines
     awake_update = awake_update_bytes(cfg, elem)
-    awake_update += learner_reserve_bytes(res, elem) if awake_update else 0
+    awake_update += learner_transient_bytes(cfg, res, elem) if awake_update else 0
     others = max(critic_forward_bytes(cfg, elem), n * push_bytes(cfg, res), awake_update)
     return res.at_rest + n * res.engine_lora + others
 
@@ -142,7 +142,7 @@ def phase_table(cfg, elem: int, res: Residents, engine_bytes: int, total_bytes: 
     asleep = {**rest, "engines asleep": n * (ENGINE_ASLEEP_BYTES + (res.engine_lora and res.adapter_engine))}
     during_update = asleep if sleeps else awake
     if update_bytes is None:  # planned as the learner plans it: in what is free after its reserve
-        free = total_bytes - sum(during_update.values()) - learner_reserve_bytes(res, elem)
+        free = total_bytes - sum(during_update.values()) - learner_transient_bytes(cfg, res, elem)
         update_bytes = learner_update_bytes(cfg, elem, free)
     transients = learner_transient_bytes(cfg, res, elem, update_bytes // learner_bytes_per_token(cfg, elem))
     push = {"export buffer": res.adapter_fp32, "received copy": n * res.adapter_fp32,
@@ -172,23 +172,16 @@ def learner_bytes_per_token(cfg, elem: int) -> int:
                                   fused, attention == "varlen")
 
 
-def learner_reserve_bytes(res: Residents, elem: int) -> int:
-    """What ``learner.micro_batches.plan_budget`` sets aside before it sizes an ``auto`` micro-batch in the free
-    memory: the policy's and the reference's adapter cast to the model dtype, and three chunks of the LM head's fp32
-    logits at their largest."""
-    from nla_grpo.learner.token_logprobs import CHUNK_BYTES
-
-    return 2 * (res.adapter_fp32 // ADAPTER_PARAM_BYTES) * elem + 3 * CHUNK_BYTES
-
-
-def learner_transient_bytes(cfg, res: Residents, elem: int, tokens: int) -> int:
-    """What the update holds besides a micro-batch of ``tokens`` tokens' activations: the two adapter casts and up to
-    three chunks of fp32 logits (a chunk is at most ``CHUNK_BYTES``, and no more rows than the micro-batch has).
+def learner_transient_bytes(cfg, res: Residents, elem: int, tokens: int | None = None) -> int:
+    """``learner.memory_plan.transient_bytes`` for this run: the two adapter casts and three logit chunks. With
+    ``tokens``, what a micro-batch of that many tokens holds (a chunk has no more rows than the micro-batch); without,
+    what the learner sets aside before it sizes an ``auto`` micro-batch (``learner.micro_batches.plan_budget``).
     Left out, the update's planned peak sat 0.6-1.9 GiB under the measured one at the 8B shape."""
+    from nla_grpo.learner.memory_plan import transient_bytes
     from nla_grpo.learner.token_logprobs import CHUNK_BYTES
 
-    chunk = min(tokens * text_config(cfg.model.path)["vocab_size"] * 4, CHUNK_BYTES)
-    return 2 * (res.adapter_fp32 // ADAPTER_PARAM_BYTES) * elem + 3 * chunk
+    chunk = None if tokens is None else min(tokens * text_config(cfg.model.path)["vocab_size"] * 4, CHUNK_BYTES)
+    return transient_bytes(res.adapter_fp32 // ADAPTER_PARAM_BYTES, elem, chunk)
 
 
 def learner_update_bytes(cfg, elem: int, free: int) -> int:
@@ -279,7 +272,7 @@ def plan_colocated(cfg, spec, total_bytes: int) -> ColocatedPlan:
     sleeps = ro.sleep_during_update is True
     if ro.sleep_during_update == "auto":  # as the driver decides it at the start: from the learner's awake budget
         awake = {"learner": res.learner, "critic": res.critic, "engines": ro.num_engines * (engine + res.engine_lora)}
-        free = total_bytes - sum(awake.values()) - learner_reserve_bytes(res, elem)
+        free = total_bytes - sum(awake.values()) - learner_transient_bytes(cfg, res, elem)
         tokens = learner_update_bytes(cfg, elem, free) // learner_bytes_per_token(cfg, elem)
         sleeps = sleep_for_budget(cfg, int(tokens))
     table = phase_table(cfg, elem, res, engine, total_bytes, sleeps)
