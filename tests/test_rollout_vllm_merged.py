@@ -2,7 +2,7 @@
 matches the HF engine running the adapter as a LoRA (fp32, CPU), push after push, in both injection modes."""
 import pytest
 
-from rollout_support import max_abs_diff, tiny_config, tiny_requests, update_for, vectors_of
+from rollout_support import max_abs_diff, random_adapter_update, tiny_config, tiny_requests, update_for, vectors_of
 from nla_grpo.shared.spec import load_spec, sidecar_path
 
 PARITY_ATOL = 1e-4
@@ -37,6 +37,16 @@ def test_merged_rollout_matches_the_adapter_push_after_push(tiny_dir, mode):
             assert max_abs_diff(samples, hf_base.recompute_logprobs(samples, vectors_of(samples, reqs))) > 1e-2
         again = engine.generate(reqs[:1], seed=1)
         assert [s.response_ids for s in again] == [s.response_ids for s in samples[:4]]
+        # an adapter on some parts of the fused weights (PEFT's default q and v; up without gate): each delta on
+        # its own rows, k and gate left at the base (the merge once put v's delta on k's rows)
+        lc = cfg.learner
+        partial = random_adapter_update(cfg.model.path, 3, 11, lc.lora_r, lc.lora_alpha, ["q_proj", "v_proj", "up_proj"],
+                                        lc.use_rslora)
+        engine.load_adapter(partial)
+        hf.load_adapter(partial)
+        assert engine.last_push["weights"] == 2 * 2  # qkv and gate_up in each block
+        samples = engine.generate(reqs, seed=1)
+        assert max_abs_diff(samples, hf.recompute_logprobs(samples, vectors_of(samples, reqs))) <= PARITY_ATOL
     finally:
         engine.close()
         hf.close()
@@ -73,6 +83,25 @@ def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir)
     assert engine_kwargs(adapter, "cuda", "bfloat16", marker_id=7)["quantization"] == "bitsandbytes"
     assert "quantization" not in engine_kwargs(merged, "cuda", "bfloat16", marker_id=7)
     assert weight_bytes(merged) > 2.5 * weight_bytes(adapter)
+
+
+def test_each_part_of_a_fused_weight_has_its_own_rows():
+    """``worker_lora.part_rows``: from the fused layer's part sizes (q 4, k 2, v 2 rows), the rows each present part
+    takes; a weight that is no fusion is one part; parts that cannot fill the weight are refused."""
+    import types
+
+    import torch
+
+    from nla_grpo.rollout.vllm.worker_lora import part_rows
+
+    qkv, w = types.SimpleNamespace(output_sizes=[4, 2, 2]), torch.zeros(8, 3)
+    q_and_v = {0: (None, torch.zeros(4, 1), 1.0), 2: (None, torch.zeros(2, 1), 1.0)}
+    assert part_rows(qkv, w, q_and_v) == {0: (0, 4), 1: (4, 2), 2: (6, 2)}
+    assert part_rows(types.SimpleNamespace(), w, {0: (None, torch.zeros(8, 1), 1.0)}) == {0: (0, 8)}
+    with pytest.raises(RuntimeError, match="engine gives no part sizes"):
+        part_rows(None, w, q_and_v)
+    with pytest.raises(RuntimeError, match="do not match a weight of 9 rows"):
+        part_rows(qkv, torch.zeros(9, 3), q_and_v)
 
 
 def coarse_roundtrip(w):

@@ -180,9 +180,10 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
     LoRA scale (alpha/r, or alpha/sqrt(r) with rsLoRA; per-module ``rank_pattern``/``alpha_pattern``).
 
     vLLM fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (the model's
-    ``packed_modules_mapping``); each PEFT module's delta goes to its rows of the fused weight, in the
-    mapping's order. The first call keeps a host copy of every weight it touches, and each later call
-    starts from that copy, so a push never accumulates rounding. The engine must run one GPU (tp 1).
+    ``packed_modules_mapping``); each PEFT module's delta goes to its own rows of the fused weight
+    (``part_rows``), so an adapter on some parts leaves the others at the base. The first call keeps a host
+    copy of every weight it touches, and each later call starts from that copy, so a push never accumulates
+    rounding. The engine must run one GPU (tp 1).
     Returns where the time went (seconds) and how many weights were set."""
     import math
     import time
@@ -209,27 +210,47 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
     store = getattr(model, "_nla_base_weights", None)
     if store is None:
         store = model._nla_base_weights = {}
+    modules = dict(model.named_modules())
+    with torch.no_grad():  # a weight an earlier version touched and this one does not goes back to the base
+        for name in store.keys() - deltas.keys():
+            params[name].copy_(store[name], non_blocking=True)
     for name, parts in deltas.items():
         if name not in params:
             raise RuntimeError(f"rollout.lora merged: the engine's model has no weight {name}")
         w = params[name]
+        rows = part_rows(modules.get(name.removesuffix(".weight")), w, parts)
         if name not in store:
             store[name] = w.detach().to("cpu", copy=True).pin_memory() if w.is_cuda else w.detach().clone()
         base = store[name]
         with torch.no_grad():
             w.copy_(base, non_blocking=True)
-            row = 0
             for index in sorted(parts):
                 a, b, scale = parts[index]
+                start, size = rows[index]
+                if b.shape[0] != size or a.shape[1] != w.shape[1]:
+                    raise RuntimeError(f"rollout.lora merged: the adapter's delta for part {index} of {name} is "
+                                       f"{b.shape[0]} x {a.shape[1]}, its rows of the weight are {size} x {w.shape[1]}")
                 a, b = a.to(w.device, torch.float32), b.to(w.device, torch.float32)
-                rows = slice(row, row + b.shape[0])
-                w[rows] = (w[rows].float() + scale * (b @ a)).to(w.dtype)
-                row += b.shape[0]
-            if row != w.shape[0] or a.shape[1] != w.shape[1]:
-                raise RuntimeError(f"rollout.lora merged: the adapter's deltas for {name} are {row} x {a.shape[1]}, "
-                                   f"the weight is {tuple(w.shape)}")
+                w[start:start + size] = (w[start:start + size].float() + scale * (b @ a)).to(w.dtype)
     _release_transients(str(next(iter(params.values())).device))
     return {"merge": time.perf_counter() - t0, "weights": len(deltas)}
+
+
+def part_rows(module, weight, parts: dict) -> dict[int, tuple[int, int]]:
+    """Where each packed part's rows lie in a fused weight: ``{index: (first row, rows)}``. vLLM's fused linears
+    give their parts' sizes (``output_sizes``: q, k, v; gate, up), so an adapter on some of them (q and v only, as
+    PEFT's default targets are) lands on its own rows and leaves the others at the base; a weight that is no
+    fusion is one part. Without sizes, the parts present must fill the weight in order."""
+    sizes = list(getattr(module, "output_sizes", None) or [])
+    if not sizes:
+        sizes = [weight.shape[0]] if set(parts) == {0} else [parts[i][1].shape[0] for i in sorted(parts)]
+        if sorted(parts) != list(range(len(sizes))) or sum(sizes) != weight.shape[0]:
+            raise RuntimeError(f"rollout.lora merged: the adapter's deltas ({sum(sizes)} rows) do not fill the "
+                               f"weight of {weight.shape[0]} rows, and the engine gives no part sizes to place them")
+    if sum(sizes) != weight.shape[0] or max(parts) >= len(sizes):
+        raise RuntimeError(f"rollout.lora merged: parts {sorted(parts)} of {sizes} rows do not match a weight of "
+                           f"{weight.shape[0]} rows")
+    return {i: (sum(sizes[:i]), sizes[i]) for i in range(len(sizes))}
 
 
 def linear_parts(model) -> dict:
