@@ -87,7 +87,7 @@ def test_merged_with_nf4_runs_the_dequantised_base_unquantised_in_vllm(tiny_dir)
 
 def test_each_part_of_a_fused_weight_has_its_own_rows():
     """``worker_lora.part_rows``: from the fused layer's part sizes (q 4, k 2, v 2 rows), the rows each present part
-    takes; a weight that is no fusion is one part; parts that cannot fill the weight are refused."""
+    takes; a weight that is no fusion is one part; parts that do not match the weight are refused."""
     import types
 
     import torch
@@ -98,8 +98,8 @@ def test_each_part_of_a_fused_weight_has_its_own_rows():
     q_and_v = {0: (None, torch.zeros(4, 1), 1.0), 2: (None, torch.zeros(2, 1), 1.0)}
     assert part_rows(qkv, w, q_and_v) == {0: (0, 4), 1: (4, 2), 2: (6, 2)}
     assert part_rows(types.SimpleNamespace(), w, {0: (None, torch.zeros(8, 1), 1.0)}) == {0: (0, 8)}
-    with pytest.raises(RuntimeError, match="engine gives no part sizes"):
-        part_rows(None, w, q_and_v)
+    with pytest.raises(RuntimeError, match=r"parts \[0, 2\] of \[8\] rows do not match"):
+        part_rows(None, w, q_and_v)  # no part sizes given: one part, which q and v cannot both be
     with pytest.raises(RuntimeError, match="do not match a weight of 9 rows"):
         part_rows(qkv, torch.zeros(9, 3), q_and_v)
 

@@ -210,7 +210,6 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
     store = getattr(model, "_nla_base_weights", None)
     if store is None:
         store = model._nla_base_weights = {}
-    modules = dict(model.named_modules())
     with torch.no_grad():  # a weight an earlier version touched and this one does not goes back to the base
         for name in store.keys() - deltas.keys():
             params[name].copy_(store[name], non_blocking=True)
@@ -218,7 +217,7 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
         if name not in params:
             raise RuntimeError(f"rollout.lora merged: the engine's model has no weight {name}")
         w = params[name]
-        rows = part_rows(modules.get(name.removesuffix(".weight")), w, parts)
+        rows = part_rows(model.get_submodule(name.removesuffix(".weight")), w, parts)
         if name not in store:
             store[name] = w.detach().to("cpu", copy=True).pin_memory() if w.is_cuda else w.detach().clone()
         base = store[name]
@@ -237,20 +236,19 @@ def merge_adapter_in_worker(worker, tensors: dict, peft_config: dict) -> dict:
 
 
 def part_rows(module, weight, parts: dict) -> dict[int, tuple[int, int]]:
-    """Where each packed part's rows lie in a fused weight: ``{index: (first row, rows)}``. vLLM's fused linears
-    give their parts' sizes (``output_sizes``: q, k, v; gate, up), so an adapter on some of them (q and v only, as
-    PEFT's default targets are) lands on its own rows and leaves the others at the base; a weight that is no
-    fusion is one part. Without sizes, the parts present must fill the weight in order."""
-    sizes = list(getattr(module, "output_sizes", None) or [])
-    if not sizes:
-        sizes = [weight.shape[0]] if set(parts) == {0} else [parts[i][1].shape[0] for i in sorted(parts)]
-        if sorted(parts) != list(range(len(sizes))) or sum(sizes) != weight.shape[0]:
-            raise RuntimeError(f"rollout.lora merged: the adapter's deltas ({sum(sizes)} rows) do not fill the "
-                               f"weight of {weight.shape[0]} rows, and the engine gives no part sizes to place them")
+    """Where each packed part's rows lie in a fused weight: ``{index: (first row, rows)}``, from the layer's part
+    sizes (``part_sizes``), so an adapter on some parts (q and v only, as PEFT's default targets are) lands on
+    its own rows and leaves the others at the base."""
+    sizes = part_sizes(module, weight)
     if sum(sizes) != weight.shape[0] or max(parts) >= len(sizes):
         raise RuntimeError(f"rollout.lora merged: parts {sorted(parts)} of {sizes} rows do not match a weight of "
                            f"{weight.shape[0]} rows")
     return {i: (sum(sizes[:i]), sizes[i]) for i in range(len(sizes))}
+
+
+def part_sizes(module, weight) -> list[int]:
+    """The row counts of the modules vLLM fused into a linear (``output_sizes``: q, k, v; gate, up), or its own."""
+    return list(getattr(module, "output_sizes", None) or [weight.shape[0]])
 
 
 def linear_parts(model) -> dict:
@@ -259,7 +257,7 @@ def linear_parts(model) -> dict:
     ``output_sizes``) or its own."""
     from vllm.model_executor.layers.linear import LinearBase
 
-    return {name: list(getattr(m, "output_sizes", None) or [m.weight.shape[0]])
+    return {name: part_sizes(m, m.weight)
             for name, m in model.named_modules() if isinstance(m, LinearBase) and getattr(m, "weight", None) is not None}
 
 
