@@ -11,7 +11,13 @@ latter. The first call (CUDA graphs, compilation) is left out.
 
     python benchmarks/read_benchmark.py --out benchmarks/results/h200-read-8b.json
     python benchmarks/read_benchmark.py --lora adapter --vector-input prompt_embeds --out ...  # the run config's route
+    python benchmarks/read_benchmark.py --critic-lora adapter --out ...  # the reconstructor's adapters beside its base
+    python benchmarks/read_benchmark.py --profile benchmarks/results/h200-read-critic-profile.txt --out ...
     python benchmarks/read_benchmark.py --device cpu --layers 2 --vectors 16 --new-tokens 8 --out /tmp/read.json  # a dry run
+
+``--profile PATH`` writes a torch-profiler kernel table of one reconstructor micro-batch on cap-length texts (PATH)
+and its timeline (``PATH``'s stem + ``-timeline.txt``: how busy the GPU was, and where it idled); the verbaliser's
+kernels run in vLLM's engine process, out of this profiler's sight.
 """
 from __future__ import annotations
 
@@ -61,6 +67,33 @@ def build_pair(work: Path, layers: int, critic_layers: int, new_tokens: int, dev
     return pair
 
 
+def profile_reconstructor(nla, texts: list[str], out: Path, device: str) -> dict:
+    """A kernel table and the GPU's busy share over one micro-batch of the reconstructor on ``texts``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import gpu_timeline
+
+    critic = nla.critic
+    ids = [x for x in critic.encode(texts[: critic.cfg.critic.micro_batch]) if x is not None]
+    cuda = device.startswith("cuda")
+    critic.predict_ids(ids)  # warm: the profiled pass repeats it
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        critic.predict_ids(ids)
+        if cuda:
+            torch.cuda.synchronize()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40))
+    device_spans, host_spans = gpu_timeline.spans_from_profiler(prof)
+    timeline = gpu_timeline.timeline_report(device_spans, host_spans)
+    out.with_name(out.stem + "-timeline.txt").write_text(gpu_timeline.format_report(timeline) + "\n")
+    tokens = sum(len(x) for x in ids)
+    print(f"[profile] one micro-batch of {len(ids)} texts, {tokens} tokens: GPU busy {timeline['busy']:.1%} "
+          f"of {timeline['window_ms']:.0f} ms", flush=True)
+    return {"texts": len(ids), "tokens": tokens, "file": str(out), **{k: timeline[k] for k in ("busy", "window_ms")},
+            "device_time_by_kind": gpu_timeline.device_time_by_kind(device_spans)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="/tmp/nla-read-bench")
@@ -74,6 +107,9 @@ def main() -> int:
     ap.add_argument("--lora", default="auto", choices=["auto", "adapter", "merged"], help="the engine's adapter route (NLA's lora)")
     ap.add_argument("--vector-input", default="auto", choices=["auto", "prompt_embeds", "multimodal"],
                     help="how the vector reaches the engine (NLA's vector_input)")
+    ap.add_argument("--critic-lora", default="merged", choices=["merged", "adapter"],
+                    help="the reconstructor's LoRA folded into its base (NLA's default) or beside it, as in training")
+    ap.add_argument("--profile", help="write a kernel table of one reconstructor micro-batch here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -90,7 +126,8 @@ def main() -> int:
     t_build = time.time() - t0
     parts = locate(pair)
     nla = NLA(parts, device=args.device, backend="vllm" if args.device.startswith("cuda") else "hf",
-              gpu_share=args.gpu_share, max_batch=args.max_batch, lora=args.lora, vector_input=args.vector_input)
+              gpu_share=args.gpu_share, max_batch=args.max_batch, lora=args.lora, vector_input=args.vector_input,
+              critic_lora=args.critic_lora)
     d = parts.spec.d_model
     rng = np.random.default_rng(0)
     vectors = rng.standard_normal((args.vectors, d)).astype(np.float32)
@@ -138,15 +175,17 @@ def main() -> int:
                      "said_tokens_mean_first64": round(sum(len(nla.tokenizer.encode(e or "")) for e in flat[:64])
                                                        / min(64, len(flat)), 1)})
         print(json.dumps(runs[-1]), flush=True)
+    profiled = profile_reconstructor(nla, capped, Path(args.profile), args.device) if args.profile else None
     result = {
         "what": "nla_grpo.NLA reading on one GPU: verbalise (vLLM) + reconstruct (critic), vectors per second",
         "device": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu",
         "shape": f"Qwen3-8B shape, {args.layers} blocks, random bf16 weights; critic {args.critic_layers} blocks LoRA r=16",
         "vectors": args.vectors, "samples": args.samples, "new_tokens": args.new_tokens, "gpu_share": args.gpu_share,
-        "max_batch": args.max_batch, "route": nla.route(), "engine": nla._engine.describe() if nla._engine is not None else None,
+        "max_batch": args.max_batch, "route": nla.route(), "critic_lora": args.critic_lora, "engine": nla._engine.describe() if nla._engine is not None else None,
         "build_s": round(t_build, 1), "first_call_s": round(t_warm, 1), "decoded_first64": decoded,
         "capped_text_tokens_first64": round(capped_tokens, 1), "runs": runs,
         "vectors_per_s_best": max(r["vectors_per_s"] for r in runs),
+        "reconstructor_profile": profiled,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

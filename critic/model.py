@@ -95,6 +95,7 @@ class CriticModel(nn.Module):
             self.value_head.weight.copy_(torch.eye(d_model))
             self.value_head.bias.zero_()
         self.lora: dict | None = None
+        self.merged = False  # LoRA folded into the base weights: a scorer only (merge_lora)
 
     @classmethod
     def from_base(cls, model_path: str | Path, num_layers: int, dtype: torch.dtype, mse_scale: float | None,
@@ -122,6 +123,22 @@ class CriticModel(nn.Module):
             if "lora_" in name:
                 param.data = param.data.float()
         self.lora = {"r": r, "alpha": alpha, "target_modules": list(target_modules), "use_rslora": use_rslora}
+
+    def merge_lora(self) -> bool:
+        """Fold each LoRA delta into its base weight, for a critic that only scores from here on (reading): its
+        forward is then the base GEMMs alone, without the adapters' casts to fp32, their two products and the add
+        per linear. Not undone. An NF4 base keeps its adapters (folding would requantise the 4-bit weights).
+        True when it merged."""
+        if self.lora is None or self.quantized or self.merged:
+            return False
+        from peft.tuners.lora import LoraLayer
+
+        with torch.no_grad():
+            for module in self.backbone.modules():
+                if isinstance(module, LoraLayer):
+                    module.merge()
+        self.merged = True
+        return True
 
     def trainable_names(self) -> list[str]:
         """LoRA tensors + value head with LoRA; every backbone tensor + value head without."""

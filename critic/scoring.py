@@ -206,7 +206,14 @@ class Critic:
         return [(i, scores[i]) for chunk in share for i in chunk]
 
     # ---- co-training -----------------------------------------------------------------------
+    def _refuse_if_merged(self, what: str) -> None:
+        # folded adapters are part of the base weights: a step on them, or their tensors saved or loaded, would
+        # count the delta twice
+        if self.model.merged:
+            raise RuntimeError(f"cannot {what} this critic: its LoRA is merged into its base (a scorer only, merge_lora)")
+
     def _ensure_optimizer(self):
+        self._refuse_if_merged("train")
         if self.optimizer is None:
             from nla_grpo.shared.torch_utils import make_adamw
 
@@ -264,6 +271,7 @@ class Critic:
     # ---- checkpoints -----------------------------------------------------------------------
     def save(self, ckpt_dir: str | Path, optimizer: bool = True) -> None:
         """Weights + meta, and the optimiser state when there is one and ``optimizer`` is set."""
+        self._refuse_if_merged("save")
         d = Path(ckpt_dir)
         d.mkdir(parents=True, exist_ok=True)
         if optimizer and self.optimizer is not None:
@@ -276,6 +284,7 @@ class Critic:
 
     def load(self, ckpt_dir: str | Path, require_optimizer: bool = False) -> None:
         """Weights (strictly) and, when present, the optimiser state of a checkpoint saved by ``save``."""
+        self._refuse_if_merged("load")
         d = Path(ckpt_dir)
         self._check_same_structure(read_meta(d), self.meta, d / META_NAME)
         if require_optimizer and not has_optimizer_state(d):

@@ -60,7 +60,8 @@ class NLA:
     """A trained NLA: verbaliser + reconstructor, the subject model they read, and the settings they were trained with."""
 
     def __init__(self, parts: NlaParts, device: str | None = None, backend: str = "auto", max_tokens: int = 512,
-                 gpu_share: float = 0.6, max_batch: int = 512, lora: str = "auto", vector_input: str = "auto"):
+                 gpu_share: float = 0.6, max_batch: int = 512, lora: str = "auto", vector_input: str = "auto",
+                 critic_lora: str = "merged"):
         import torch
 
         self.parts, self.cfg, self.spec = parts, parts.cfg, parts.spec
@@ -73,12 +74,16 @@ class NLA:
         # and the samples it decodes at once
         self.gpu_share, self.max_batch = gpu_share, max_batch
         for field, value, allowed in (("lora", lora, ("auto", "adapter", "merged")),
-                                      ("vector_input", vector_input, ("auto", "prompt_embeds", "multimodal"))):
+                                      ("vector_input", vector_input, ("auto", "prompt_embeds", "multimodal")),
+                                      ("critic_lora", critic_lora, ("merged", "adapter"))):
             if value not in allowed:
                 raise NlaInputError(field, f"expected {', '.join(allowed)}, found {value!r}")
         if self.backend != "vllm" and (lora == "merged" or vector_input == "multimodal"):
             raise NlaInputError("backend", f"lora={lora!r}, vector_input={vector_input!r} are vLLM's routes; found backend {self.backend!r}")
         self.lora, self.vector_input = lora, vector_input
+        # the reconstructor never trains here: its LoRA folded into the base weights (merged) leaves each linear one
+        # GEMM; adapter keeps training's form (the adapters beside the base)
+        self.critic_lora = critic_lora
         self.fve_baseline = parts.fve_baseline
         self._engine = self._critic = self._extractor = self._tokenizer = self._prompt = self._route = None
         from transformers.utils import logging as hf_logging
@@ -167,6 +172,8 @@ class NLA:
             cfg = self.cfg.model_copy(update={"model": self.cfg.model.model_copy(update={"path": str(self.parts.subject)}),
                                               "critic": critic})
             self._critic = Critic(cfg, self.spec, device=self.device)
+            if self.critic_lora == "merged":
+                self._critic.model.merge_lora()
         return self._critic
 
     def _prompt_ids(self) -> tuple[list[int], int]:

@@ -140,3 +140,34 @@ def test_orthogonal_gold_scores_two(service):
     ortho = other - (other @ pred) / (pred @ pred) * pred
     assert service.score(["sea"], ortho[None])[0] == pytest.approx(2.0, abs=1e-4)
     assert service.score(["sea"], (3.0 * pred)[None])[0] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_a_merged_lora_critic_predicts_what_its_adapters_do(tiny_dir, tmp_path):
+    """Reading folds the critic's LoRA into its base (``merge_lora``): the same predictions, and no way left to
+    train, save or load it (the delta would count twice)."""
+    from nla_grpo.critic.scoring import Critic
+
+    critic = Critic(_cfg(tiny_dir, lora_r=4, lora_alpha=8, micro_batch=3), _spec(tiny_dir))
+    ids = [x for x in critic.encode(EXPLANATIONS) if x is not None]
+    base = critic.predict_ids(ids)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a trained adapter: B away from its zero init
+        for name, p in critic.model.backbone.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    adapters = critic.predict_ids(ids)
+    assert (adapters - base).abs().max() > 1e-2, "the adapter should change the predictions"
+
+    assert critic.model.merge_lora() and not critic.model.merge_lora()  # once
+    with torch.no_grad():  # the delta now lives in the base weights, and the adapters no longer run
+        for name, p in critic.model.backbone.named_parameters():
+            if "lora_B" in name:
+                p.mul_(3.0)
+    merged = critic.predict_ids(ids)
+    assert torch.allclose(merged, adapters, atol=1e-5, rtol=0)
+    golds = _golds(tiny_dir, len(EXPLANATIONS))
+    for refused in (lambda: critic.train_step(EXPLANATIONS, golds), lambda: critic.save(tmp_path / "c"),
+                    lambda: critic.load(tmp_path / "c")):
+        with pytest.raises(RuntimeError, match="merged"):
+            refused()
+    assert not (tmp_path / "c").exists()
