@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from critic_support import fold_offsets, train_lora_b
 from nla_grpo.shared.config import CriticConfig, build_config
 from nla_grpo.shared.data import read_rows
 from nla_grpo.shared.prompts import render_critic_ids
@@ -150,11 +151,7 @@ def test_a_merged_lora_critic_predicts_what_its_adapters_do(tiny_dir, tmp_path):
     critic = Critic(_cfg(tiny_dir, lora_r=4, lora_alpha=8, micro_batch=3), _spec(tiny_dir))
     ids = [x for x in critic.encode(EXPLANATIONS) if x is not None]
     base = critic.predict_ids(ids)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a trained adapter: B away from its zero init
-        for name, p in critic.model.backbone.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    train_lora_b(critic)
     adapters = critic.predict_ids(ids)
     assert (adapters - base).abs().max() > 1e-2, "the adapter should change the predictions"
 
@@ -171,3 +168,10 @@ def test_a_merged_lora_critic_predicts_what_its_adapters_do(tiny_dir, tmp_path):
         with pytest.raises(RuntimeError, match="merged"):
             refused()
     assert not (tmp_path / "c").exists()
+
+
+def test_a_merged_bf16_critic_scores_as_close_to_fp32_as_its_adapters_do(tiny_dir):
+    """In bf16 the fold rounds each delta into its base weight: its scores stay as close to the fp32 critic's as the
+    adapters beside the bf16 base do (the GPU's: ``tests/test_gpu.py``)."""
+    off_adapters, off_merged = fold_offsets(tiny_dir, "cpu")
+    assert 0 < off_adapters <= 2e-2 and off_merged <= max(2e-2, 2 * off_adapters), (off_adapters, off_merged)
